@@ -1,0 +1,514 @@
+//! Throwaway PostgreSQL clusters built from the locally installed server binaries.
+
+use std::collections::hash_map::RandomState;
+use std::ffi::{CStr, CString, OsStr};
+use std::fmt::Write as _;
+use std::fs::{self, DirBuilder, OpenOptions};
+use std::hash::{BuildHasher, Hasher};
+use std::io::{self, Write as _};
+use std::net::TcpListener;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::HarnessError;
+
+/// Settings that trade durability for speed; a test cluster is deleted anyway.
+const TEST_SETTINGS: &[(&str, &str)] = &[
+    ("fsync", "off"),
+    ("synchronous_commit", "off"),
+    ("full_page_writes", "off"),
+    // Concurrency tests open many connections at once, across parallel tests.
+    ("max_connections", "300"),
+    // Tests may match on error texts; keep them untranslated.
+    ("lc_messages", "'C'"),
+    ("listen_addresses", "'127.0.0.1'"),
+];
+
+/// How often to retry when another process grabs the chosen port before the server binds it.
+const PORT_ATTEMPTS: usize = 5;
+
+/// A PostgreSQL cluster in a temporary directory, owned by this process.
+///
+/// Dropping it stops the server (`pg_ctl stop -m immediate`, nothing in it is
+/// worth a clean shutdown) and deletes the directory.
+#[derive(Debug)]
+pub struct Cluster {
+    dir: PathBuf,
+    data_dir: PathBuf,
+    port: u16,
+    url: String,
+    runner: Runner,
+    // Shared between Drop and the atexit hook, which only has `&self`.
+    shut_down: AtomicBool,
+}
+
+impl Cluster {
+    /// The admin URL (user `postgres`, database `postgres`, trust auth over TCP).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The TCP port the server listens on, on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The temporary directory holding the data directory, the server log and the unix socket.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The data directory (`PGDATA`).
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// The directory the server binaries were taken from.
+    pub fn bin_dir(&self) -> &Path {
+        &self.runner.bin_dir
+    }
+
+    fn start() -> Result<Cluster, HarnessError> {
+        let bin_dir = find_bin_dir()?;
+        let account = if is_root() {
+            Some(unprivileged_account()?)
+        } else {
+            None
+        };
+        let runner = Runner::new(bin_dir, account)?;
+        let dir = make_temp_dir()?;
+        // From here on, Drop owns the cleanup of whatever the remaining steps leave behind.
+        let cluster = Cluster {
+            data_dir: dir.join("data"),
+            dir,
+            port: 0,
+            url: String::new(),
+            runner,
+            shut_down: AtomicBool::new(false),
+        };
+        cluster.finish_start()
+    }
+
+    fn finish_start(mut self) -> Result<Cluster, HarnessError> {
+        if let Some(account) = &self.runner.account {
+            // The server creates its data dir, socket and log in here as that user.
+            std::os::unix::fs::chown(&self.dir, Some(account.uid), Some(account.gid))
+                .map_err(|e| HarnessError::io(format!("chown {}", self.dir.display()), e))?;
+        }
+        self.initdb()?;
+        self.append_settings(&self.base_settings())?;
+        for attempt in 1..=PORT_ATTEMPTS {
+            let port = free_port()?;
+            // Later lines win in postgresql.conf, so a retry simply appends a new port.
+            self.append_settings(&format!("port = {port}\n"))?;
+            match self.pg_ctl_start() {
+                Ok(()) => {
+                    self.port = port;
+                    self.url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+                    return Ok(self);
+                }
+                Err(HarnessError::ServerDidNotStart { log, .. })
+                    if attempt < PORT_ATTEMPTS && log.contains("could not bind") =>
+                {
+                    continue
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        unreachable!("the last attempt returns")
+    }
+
+    fn initdb(&self) -> Result<(), HarnessError> {
+        let mut cmd = self.runner.command("initdb", &self.dir);
+        cmd.arg("-D")
+            .arg(&self.data_dir)
+            .args(["-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8"])
+            // The environment's locale may not be installed, which makes initdb fail; C always exists.
+            .arg("--locale=C");
+        let output = run(&mut cmd, "run initdb")?;
+        if output.status.success() {
+            Ok(())
+        } else {
+            Err(HarnessError::InitdbFailed {
+                status: output.status,
+                data_dir: self.data_dir.clone(),
+                stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+            })
+        }
+    }
+
+    fn base_settings(&self) -> String {
+        let mut settings = String::from("\n# idem-testing\n");
+        for (name, value) in TEST_SETTINGS {
+            let _ = writeln!(settings, "{name} = {value}");
+        }
+        let socket_dir = self.dir.display().to_string().replace('\'', "''");
+        let _ = writeln!(settings, "unix_socket_directories = '{socket_dir}'");
+        settings
+    }
+
+    fn append_settings(&self, text: &str) -> Result<(), HarnessError> {
+        let path = self.data_dir.join("postgresql.conf");
+        OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .and_then(|mut file| file.write_all(text.as_bytes()))
+            .map_err(|e| HarnessError::io(format!("append to {}", path.display()), e))
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join("server.log")
+    }
+
+    fn pg_ctl_start(&self) -> Result<(), HarnessError> {
+        let mut cmd = self.runner.command("pg_ctl", &self.dir);
+        cmd.arg("-D")
+            .arg(&self.data_dir)
+            .arg("-l")
+            .arg(self.log_path())
+            .args(["-w", "-t", "60", "-s", "start"]);
+        let output = run(&mut cmd, "run pg_ctl start")?;
+        if output.status.success() {
+            return Ok(());
+        }
+        let log = fs::read_to_string(self.log_path()).unwrap_or_default();
+        // A timed-out start may leave a server running; it must not outlive the failed attempt.
+        self.stop_server();
+        Err(HarnessError::ServerDidNotStart {
+            detail: format!(
+                "pg_ctl start exited with {}: {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            ),
+            log,
+        })
+    }
+
+    fn stop_server(&self) {
+        if !self.data_dir.join("postmaster.pid").exists() {
+            return;
+        }
+        let mut cmd = self.runner.command("pg_ctl", &self.dir);
+        cmd.arg("-D")
+            .arg(&self.data_dir)
+            .args(["-m", "immediate", "-w", "-t", "30", "-s", "stop"]);
+        let stopped = matches!(run(&mut cmd, "run pg_ctl stop"), Ok(out) if out.status.success());
+        if !stopped {
+            self.kill_postmaster();
+        }
+    }
+
+    /// Last resort when pg_ctl could not stop the server, so no postgres outlives the tests.
+    fn kill_postmaster(&self) {
+        let Ok(pid_file) = fs::read_to_string(self.data_dir.join("postmaster.pid")) else {
+            return;
+        };
+        if let Some(pid) = pid_file
+            .lines()
+            .next()
+            .and_then(|line| line.trim().parse::<libc::pid_t>().ok())
+            .filter(|pid| *pid > 0)
+        {
+            // SAFETY: plain syscall; pid was written by this cluster's postmaster.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
+
+    /// Stops the server and deletes the directory; safe to call more than once.
+    pub(crate) fn shut_down(&self) {
+        if self.shut_down.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.stop_server();
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.shut_down();
+    }
+}
+
+/// Starts a new throwaway cluster, ignoring `DATABASE_URL`.
+///
+/// Exists so the code path used on machines without `DATABASE_URL` can be
+/// exercised on machines that have one. The cluster is stopped and its
+/// directory removed when the returned value drops. This blocks for the few
+/// seconds `initdb` and the server start take.
+pub fn start_throwaway_cluster() -> Result<Cluster, HarnessError> {
+    Cluster::start()
+}
+
+static SHARED: OnceLock<Result<Cluster, Arc<HarnessError>>> = OnceLock::new();
+
+/// The per-process cluster, started on first use.
+pub(crate) fn shared_cluster() -> Result<&'static Cluster, HarnessError> {
+    let cluster = SHARED.get_or_init(|| {
+        let cluster = Cluster::start().map_err(Arc::new)?;
+        // Statics are never dropped, so the server would outlive the test binary without this.
+        // SAFETY: registers a plain extern "C" fn; libc keeps no other state for it.
+        unsafe {
+            libc::atexit(shut_down_shared_cluster);
+        }
+        Ok(cluster)
+    });
+    cluster
+        .as_ref()
+        .map_err(|e| HarnessError::SharedCluster(Arc::clone(e)))
+}
+
+extern "C" fn shut_down_shared_cluster() {
+    // Unwinding out of an extern "C" fn aborts; a failed cleanup must not turn a passing run into a crash.
+    let _ = std::panic::catch_unwind(|| {
+        if let Some(Ok(cluster)) = SHARED.get() {
+            cluster.shut_down();
+        }
+    });
+}
+
+/// Runs the server binaries, as an unprivileged account when this process is root.
+#[derive(Debug)]
+struct Runner {
+    bin_dir: PathBuf,
+    account: Option<Account>,
+    drop_tool: Option<DropTool>,
+}
+
+#[derive(Debug)]
+struct Account {
+    name: String,
+    uid: u32,
+    gid: u32,
+}
+
+#[derive(Debug)]
+enum DropTool {
+    Runuser(PathBuf),
+    Setpriv(PathBuf),
+}
+
+impl Runner {
+    fn new(bin_dir: PathBuf, account: Option<Account>) -> Result<Runner, HarnessError> {
+        let drop_tool = match account {
+            None => None,
+            Some(_) => Some(if let Some(path) = find_program("runuser") {
+                DropTool::Runuser(path)
+            } else if let Some(path) = find_program("setpriv") {
+                DropTool::Setpriv(path)
+            } else {
+                return Err(HarnessError::NoPrivilegeDropTool);
+            }),
+        };
+        Ok(Runner {
+            bin_dir,
+            account,
+            drop_tool,
+        })
+    }
+
+    fn command(&self, program: &str, cwd: &Path) -> Command {
+        let program = self.bin_dir.join(program);
+        let mut cmd = match (&self.account, &self.drop_tool) {
+            (Some(account), Some(DropTool::Runuser(runuser))) => {
+                let mut cmd = Command::new(runuser);
+                cmd.args(["-u", &account.name, "--"]).arg(program);
+                cmd
+            }
+            (Some(account), Some(DropTool::Setpriv(setpriv))) => {
+                let mut cmd = Command::new(setpriv);
+                cmd.arg(format!("--reuid={}", account.uid))
+                    .arg(format!("--regid={}", account.gid))
+                    .args(["--clear-groups", "--"])
+                    .arg(program);
+                cmd
+            }
+            _ => Command::new(program),
+        };
+        // The caller's working directory may not be readable by the unprivileged account.
+        cmd.current_dir(cwd).stdin(Stdio::null());
+        cmd
+    }
+}
+
+fn run(cmd: &mut Command, action: &str) -> Result<Output, HarnessError> {
+    cmd.output().map_err(|e| HarnessError::io(action, e))
+}
+
+fn has_server_binaries(dir: &Path) -> bool {
+    ["initdb", "pg_ctl", "postgres"]
+        .iter()
+        .all(|name| dir.join(name).is_file())
+}
+
+/// `IDEM_PG_BIN`, else `pg_config --bindir`, else the newest `/usr/lib/postgresql/*/bin`.
+fn find_bin_dir() -> Result<PathBuf, HarnessError> {
+    if let Some(dir) = std::env::var_os("IDEM_PG_BIN").filter(|v| !v.is_empty()) {
+        let dir = PathBuf::from(dir);
+        // An explicit choice that is wrong should fail loudly rather than silently use another version.
+        return if has_server_binaries(&dir) {
+            Ok(dir)
+        } else {
+            Err(HarnessError::NoServerBinaries {
+                searched: format!("IDEM_PG_BIN={}", dir.display()),
+            })
+        };
+    }
+    let mut searched = Vec::new();
+    match Command::new("pg_config")
+        .arg("--bindir")
+        .stderr(Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => {
+            let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+            if has_server_binaries(&dir) {
+                return Ok(dir);
+            }
+            searched.push(format!("pg_config --bindir ({})", dir.display()));
+        }
+        _ => searched.push("pg_config --bindir (pg_config not usable)".into()),
+    }
+    let root = Path::new("/usr/lib/postgresql");
+    let mut candidates: Vec<(Vec<u32>, PathBuf)> = fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let version = parse_version(&entry.file_name())?;
+            let bin = entry.path().join("bin");
+            has_server_binaries(&bin).then_some((version, bin))
+        })
+        .collect();
+    candidates.sort();
+    if let Some((_, dir)) = candidates.pop() {
+        return Ok(dir);
+    }
+    searched.push(format!("{}/*/bin", root.display()));
+    Err(HarnessError::NoServerBinaries {
+        searched: searched.join(", "),
+    })
+}
+
+/// "15" -> [15], "9.6" -> [9, 6]; anything else is not a version directory.
+fn parse_version(name: &OsStr) -> Option<Vec<u32>> {
+    name.to_str()?
+        .split('.')
+        .map(|part| part.parse().ok())
+        .collect()
+}
+
+fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    // sbin is often missing from PATH in containers and CI, and that is where runuser lives.
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from))
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn unprivileged_account() -> Result<Account, HarnessError> {
+    ["postgres", "nobody"]
+        .into_iter()
+        .find_map(lookup_account)
+        .ok_or(HarnessError::NoUnprivilegedUser)
+}
+
+fn lookup_account(name: &str) -> Option<Account> {
+    let c_name = CString::new(name).ok()?;
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: passwd is plain old data; getpwnam_r fills it and points its strings into `buf`.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut result: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the duration of the call, and buf.len() is its real size.
+    let rc = unsafe {
+        libc::getpwnam_r(
+            c_name.as_ptr(),
+            &mut pwd,
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc != 0 || result.is_null() {
+        return None;
+    }
+    // SAFETY: on success pw_name points to a NUL-terminated string inside `buf`.
+    let name = unsafe { CStr::from_ptr(pwd.pw_name) }
+        .to_string_lossy()
+        .into_owned();
+    Some(Account {
+        name,
+        uid: pwd.pw_uid,
+        gid: pwd.pw_gid,
+    })
+}
+
+fn free_port() -> Result<u16, HarnessError> {
+    TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .map_err(|e| HarnessError::io("find a free TCP port on 127.0.0.1", e))
+}
+
+fn make_temp_dir() -> Result<PathBuf, HarnessError> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let base = std::env::temp_dir();
+    loop {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = base.join(format!(
+            "idem-pg-{}-{n}-{:08x}",
+            std::process::id(),
+            random_u32()
+        ));
+        // 0700: the directory holds a trust-auth socket.
+        match DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => {
+                return Err(HarnessError::io(
+                    format!("create a directory in {}", base.display()),
+                    e,
+                ))
+            }
+        }
+    }
+}
+
+/// Enough randomness for unique names without pulling in a random number crate.
+pub(crate) fn random_u32() -> u32 {
+    let mut hasher = RandomState::new().build_hasher();
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    hasher.write_u128(nanos);
+    hasher.write_u32(std::process::id());
+    hasher.finish() as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_version_directories() {
+        assert_eq!(parse_version(OsStr::new("15")), Some(vec![15]));
+        assert_eq!(parse_version(OsStr::new("9.6")), Some(vec![9, 6]));
+        assert_eq!(parse_version(OsStr::new("common")), None);
+        let mut versions = [vec![9, 6], vec![15], vec![10]];
+        versions.sort();
+        assert_eq!(versions.last(), Some(&vec![15]));
+    }
+}

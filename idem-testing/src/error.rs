@@ -1,0 +1,117 @@
+use std::io;
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why the harness could not provide a server or a database.
+///
+/// The variants carry the evidence needed to fix the machine (stderr of
+/// `initdb`, the server log, the directories searched), because a test that
+/// fails here is almost always failing for an environmental reason.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HarnessError {
+    /// Neither `DATABASE_URL` nor usable server binaries were available.
+    #[error(
+        "no PostgreSQL server binaries (initdb, pg_ctl, postgres) found; searched: {searched}. \
+         Install the PostgreSQL server, set IDEM_PG_BIN to its bin directory, \
+         or set DATABASE_URL to a running server"
+    )]
+    NoServerBinaries {
+        /// The places that were looked at, in order.
+        searched: String,
+    },
+
+    /// Running as root, but no account exists that the server may run as.
+    #[error(
+        "running as root, but neither a `postgres` nor a `nobody` user exists \
+         to run the PostgreSQL server as (it refuses to run as root)"
+    )]
+    NoUnprivilegedUser,
+
+    /// Running as root, but neither `runuser` nor `setpriv` was found.
+    #[error("running as root, but neither `runuser` nor `setpriv` was found to drop privileges")]
+    NoPrivilegeDropTool,
+
+    /// A filesystem or process operation failed.
+    #[error("{action}: {source}")]
+    Io {
+        /// What was being attempted.
+        action: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+
+    /// `initdb` exited unsuccessfully.
+    #[error("initdb failed ({status}) for {data_dir}: {stderr}")]
+    InitdbFailed {
+        /// The exit status of `initdb` (or of the privilege-dropping wrapper).
+        status: ExitStatus,
+        /// The data directory that was being initialised.
+        data_dir: PathBuf,
+        /// Everything `initdb` wrote to stderr.
+        stderr: String,
+    },
+
+    /// `pg_ctl start` did not bring the server up.
+    #[error("the PostgreSQL server did not start: {detail}\n--- server log ---\n{log}")]
+    ServerDidNotStart {
+        /// What `pg_ctl` reported.
+        detail: String,
+        /// The server's log file.
+        log: String,
+    },
+
+    /// A server URL could not be used.
+    #[error("invalid server URL {url:?}: {reason}")]
+    InvalidUrl {
+        /// The URL, with any password masked.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// Connecting to the server failed.
+    #[error("could not connect to {url}: {source}")]
+    Connect {
+        /// The URL, with any password masked.
+        url: String,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// A statement the harness issued failed.
+    #[error("`{statement}` failed: {source}")]
+    Statement {
+        /// The statement.
+        statement: String,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// The server did not answer in time.
+    #[error("{action} timed out after {after:?}")]
+    Timeout {
+        /// What was being attempted.
+        action: String,
+        /// How long the harness waited.
+        after: Duration,
+    },
+
+    /// Starting the per-process cluster failed earlier; every later caller gets the same cause.
+    #[error("the shared test cluster could not be started: {0}")]
+    SharedCluster(#[source] Arc<HarnessError>),
+}
+
+impl HarnessError {
+    pub(crate) fn io(action: impl Into<String>, source: io::Error) -> Self {
+        HarnessError::Io {
+            action: action.into(),
+            source,
+        }
+    }
+}

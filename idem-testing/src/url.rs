@@ -1,0 +1,126 @@
+//! Just enough URL handling to point an admin URL at another database.
+//!
+//! tokio-postgres can parse URLs but not print them back, and both callers of
+//! the harness (tokio-postgres and diesel-async) want a URL string, so the
+//! database path is swapped textually, keeping user, host, port and query.
+
+use crate::HarnessError;
+
+const SCHEMES: [&str; 2] = ["postgres://", "postgresql://"];
+
+/// Splits `url` into (scheme + authority, query-with-leading-`?`), dropping the path.
+fn split(url: &str) -> Result<(&str, &str), HarnessError> {
+    let scheme_len = SCHEMES
+        .iter()
+        .find(|scheme| url.starts_with(*scheme))
+        .map(|scheme| scheme.len())
+        .ok_or_else(|| HarnessError::InvalidUrl {
+            url: redact(url),
+            reason: "expected a postgres:// or postgresql:// URL".into(),
+        })?;
+    let rest = &url[scheme_len..];
+    let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let after = &rest[authority_len..];
+    let query = match after.find('?') {
+        Some(start) => {
+            let query = &after[start..];
+            // A fragment means nothing to libpq-style URLs; dropping it keeps the result parseable.
+            &query[..query.find('#').unwrap_or(query.len())]
+        }
+        None => "",
+    };
+    Ok((&url[..scheme_len + authority_len], query))
+}
+
+/// The same server URL, but naming database `database`.
+pub(crate) fn with_database(url: &str, database: &str) -> Result<String, HarnessError> {
+    let (base, query) = split(url)?;
+    Ok(format!("{base}/{database}{query}"))
+}
+
+/// `url` with any password replaced, so it can go into error messages and Debug output.
+pub(crate) fn redact(url: &str) -> String {
+    let Some(scheme_len) = SCHEMES
+        .iter()
+        .find(|scheme| url.starts_with(*scheme))
+        .map(|scheme| scheme.len())
+    else {
+        // Not a URL (maybe a key=value string that contains a password): show nothing of it.
+        return "<unparseable connection string>".into();
+    };
+    let rest = &url[scheme_len..];
+    let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_len];
+    let masked = match authority.rfind('@') {
+        Some(at) => match authority[..at].find(':') {
+            Some(colon) => format!("{}:***{}", &authority[..colon], &authority[at..]),
+            None => authority.to_owned(),
+        },
+        None => authority.to_owned(),
+    };
+    let masked_query = mask_password_param(&rest[authority_len..]);
+    format!("{}{masked}{masked_query}", &url[..scheme_len])
+}
+
+fn mask_password_param(path_and_query: &str) -> String {
+    let Some(start) = path_and_query.find('?') else {
+        return path_and_query.to_owned();
+    };
+    let params: Vec<String> = path_and_query[start + 1..]
+        .split('&')
+        .map(|param| {
+            if param.starts_with("password=") {
+                "password=***".to_owned()
+            } else {
+                param.to_owned()
+            }
+        })
+        .collect();
+    format!("{}?{}", &path_and_query[..start], params.join("&"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_the_database_and_keeps_the_rest() {
+        let cases = [
+            (
+                "postgres://postgres@127.0.0.1:5432/postgres",
+                "postgres://postgres@127.0.0.1:5432/db1",
+            ),
+            ("postgres://localhost", "postgres://localhost/db1"),
+            ("postgresql://h:1/", "postgresql://h:1/db1"),
+            (
+                "postgres://u:p@h/x?sslmode=disable&application_name=a",
+                "postgres://u:p@h/db1?sslmode=disable&application_name=a",
+            ),
+            (
+                "postgres://u@/x?host=/var/run/postgresql",
+                "postgres://u@/db1?host=/var/run/postgresql",
+            ),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(with_database(input, "db1").unwrap(), expected, "{input}");
+        }
+    }
+
+    #[test]
+    fn rejects_non_urls() {
+        assert!(matches!(
+            with_database("host=localhost user=postgres", "db1"),
+            Err(HarnessError::InvalidUrl { .. })
+        ));
+    }
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact("postgres://u:secret@h:5432/db?password=x&sslmode=disable"),
+            "postgres://u:***@h:5432/db?password=***&sslmode=disable"
+        );
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert!(!redact("host=h password=secret").contains("secret"));
+    }
+}
