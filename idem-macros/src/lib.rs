@@ -6,6 +6,7 @@
 //! reporting every mistake at once; `expand` only reads that description.
 
 mod errors;
+mod retryable;
 mod versioned;
 
 use proc_macro::TokenStream;
@@ -20,4 +21,10 @@ pub fn derive_versioned(input: TokenStream) -> TokenStream {
 #[proc_macro_derive(VersionedChanges, attributes(versioned, diesel))]
 pub fn derive_versioned_changes(input: TokenStream) -> TokenStream {
     versioned::derive_changes(input.into()).into()
+}
+
+/// See `idem::retryable`.
+#[proc_macro_attribute]
+pub fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
+    retryable::retryable(args.into(), item.into()).into()
 }

@@ -3,8 +3,13 @@
 
 pub mod attempt;
 pub mod etag;
+pub mod migrate;
+pub mod pool;
+pub mod retry;
 pub mod versioned;
 
+pub use pool::Pool;
+pub use retry::{Isolation, OnConflict, RetryCause, RetryError, RetryPolicy, Transient};
 pub use versioned::{NoState, Versioned, VersionedChanges, VersionedError};
 
 /// What generated code reaches; not a public API.
@@ -19,6 +24,35 @@ pub mod __private {
 
     /// Asks the compiler whether `V` can hold a version.
     pub fn assert_version_type<V: VersionValue>() {}
+    pub use crate::retry::RetryLoop;
+
+    /// A by-value argument handed to each attempt again.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` is passed by value to a #[retryable] fn, whose body is replayed on every attempt",
+        label = "each attempt needs its own copy of this argument",
+        note = "implement (or derive) `Clone` for `{Self}`, or take the argument by shared reference"
+    )]
+    pub trait ReplayArg: Sized {
+        /// A fresh copy for the next attempt.
+        fn replay(&self) -> Self;
+    }
+    impl<T: Clone> ReplayArg for T {
+        fn replay(&self) -> Self {
+            self.clone()
+        }
+    }
+
+    /// A fresh copy of a by-value argument for one attempt.
+    pub fn replay_arg<T: ReplayArg>(value: &T) -> T {
+        value.replay()
+    }
+
+    /// Pins the output type of an attempt's body, so `?` inside it converts
+    /// into the function's error type.
+    pub fn attempt_body<T, F: core::future::Future<Output = T>>(body: F) -> F {
+        body
+    }
+
     pub use diesel;
     pub use diesel_async;
 }

@@ -6,6 +6,7 @@
 //! builders it hands out. The typestate builders are what turns "forgot the
 //! version" or "forgot the tenant" into a compile error instead of a lost update.
 
+pub mod backstop;
 mod cas;
 
 pub use cas::CasUpdate;
@@ -326,11 +327,17 @@ impl<M: Versioned> Find<M, TenantMissing> {
     }
 }
 
-impl<M: Versioned, T: TenantGiven<M> + Send> Find<M, T> {
+// The typestate bounds sit on the methods, not on the impls: a bound on the
+// impl hides the method ("exists but its trait bounds were not satisfied") and
+// rustc then never shows the `on_unimplemented` text that names the fix.
+impl<M: Versioned, T> Find<M, T> {
     /// Load the row: the read that supplies the expected version of the next
     /// write. Inside a `#[retryable(on_conflict = lock)]` attempt that follows a
     /// conflict, the row is read `FOR UPDATE`.
-    pub async fn load(self, conn: &mut AsyncPgConnection) -> Result<M, VersionedError> {
+    pub async fn load(self, conn: &mut AsyncPgConnection) -> Result<M, VersionedError>
+    where
+        T: TenantGiven<M> + Send,
+    {
         let lock = attempt::lock_rows();
         M::__load(conn, self.tenant.into_tenant(), self.key, lock)
             .await?
@@ -401,15 +408,14 @@ impl<M: Versioned, T, V, C> Update<M, T, V, C> {
     }
 }
 
-impl<M, T, V, C> Update<M, T, V, C>
-where
-    M: Versioned,
-    T: TenantGiven<M> + Send,
-    V: VersionGiven + Send,
-    C: ChangesGiven<M> + Send,
-{
+impl<M: Versioned, T, V, C> Update<M, T, V, C> {
     /// Run the update and return the row as written, with its new version.
-    pub async fn execute(self, conn: &mut AsyncPgConnection) -> Result<M, VersionedError> {
+    pub async fn execute(self, conn: &mut AsyncPgConnection) -> Result<M, VersionedError>
+    where
+        T: TenantGiven<M> + Send,
+        V: VersionGiven + Send,
+        C: ChangesGiven<M> + Send,
+    {
         let tenant = self.tenant.into_tenant();
         let expected = self.version.expected();
         let written = M::__update(
@@ -461,14 +467,13 @@ impl<M: Versioned, T> Delete<M, T, NoExpectedVersion> {
     }
 }
 
-impl<M, T, V> Delete<M, T, V>
-where
-    M: Versioned,
-    T: TenantGiven<M> + Send,
-    V: VersionGiven + Send,
-{
+impl<M: Versioned, T, V> Delete<M, T, V> {
     /// Delete the row if it is still at the expected version.
-    pub async fn execute(self, conn: &mut AsyncPgConnection) -> Result<(), VersionedError> {
+    pub async fn execute(self, conn: &mut AsyncPgConnection) -> Result<(), VersionedError>
+    where
+        T: TenantGiven<M> + Send,
+        V: VersionGiven + Send,
+    {
         let tenant = self.tenant.into_tenant();
         let expected = self.version.expected();
         match M::__delete(conn, tenant.clone(), self.key.clone(), expected).await? {

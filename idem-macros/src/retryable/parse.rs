@@ -1,0 +1,195 @@
+//! Reads `#[retryable(..)]` and the function under it, checking that the body
+//! can be replayed. Nothing here generates code.
+
+use proc_macro2::{Span, TokenStream};
+use syn::parse::Parser;
+use syn::spanned::Spanned;
+use syn::{Expr, FnArg, Ident, ItemFn, Lit, Pat, Type};
+
+use crate::errors::Errors;
+
+const KEYS: &str = "`max`, `deadline_ms`, `backoff_base_ms`, `backoff_cap_ms`, `isolation`, `on_conflict`, `retry_lock_not_available`, `commit_timeout_ms` and `policy`";
+
+/// A setting given in the attribute, with the token it came from.
+pub(crate) struct Setting {
+    pub(crate) key: Ident,
+    pub(crate) value: SettingValue,
+}
+
+pub(crate) enum SettingValue {
+    Count(u32),
+    Millis(u64),
+    Isolation(Ident),
+    OnConflict(Ident),
+    Flag(bool),
+    Policy(Expr),
+}
+
+/// A parameter handed to every attempt again.
+pub(crate) struct Replayed {
+    pub(crate) ident: Ident,
+    /// By value: each attempt gets a clone.
+    pub(crate) by_value: bool,
+    pub(crate) ty_span: Span,
+}
+
+pub(crate) struct Retryable {
+    pub(crate) func: ItemFn,
+    pub(crate) settings: Vec<Setting>,
+    /// Index of the connection parameter in `func.sig.inputs`.
+    pub(crate) conn_index: usize,
+    pub(crate) conn_ident: Ident,
+    pub(crate) replayed: Vec<Replayed>,
+}
+
+fn is_connection(ty: &Type) -> bool {
+    match ty {
+        Type::Reference(r) if r.mutability.is_some() => match &*r.elem {
+            Type::Path(p) => p
+                .path
+                .segments
+                .last()
+                .is_some_and(|s| s.ident == "AsyncPgConnection"),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+fn lit_u64(expr: &Expr) -> Option<u64> {
+    match expr {
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Int(i), ..
+        }) => i.base10_parse().ok(),
+        _ => None,
+    }
+}
+
+impl Retryable {
+    pub(crate) fn from_tokens(args: TokenStream, func: &ItemFn) -> syn::Result<Retryable> {
+        let mut errors = Errors::default();
+        let mut settings: Vec<Setting> = Vec::new();
+        let parser = syn::meta::parser(|meta| {
+            let Some(key) = meta.path.get_ident().cloned() else {
+                return Err(meta.error(format!("expected one of {KEYS}")));
+            };
+            if let Some(first) = settings.iter().find(|s| s.key == key) {
+                errors.push_at(
+                    &key,
+                    format!(
+                        "`{key}` is given twice; keep one (the first is `{}`)",
+                        first.key
+                    ),
+                );
+            }
+            let value: Expr = meta.value()?.parse()?;
+            let name = key.to_string();
+            let parsed = match name.as_str() {
+                "max" => match lit_u64(&value) {
+                    Some(0) => Err("`max = 0` would never run the body; the first attempt counts, so use at least 1"),
+                    Some(n) if n <= u32::MAX as u64 => Ok(SettingValue::Count(n as u32)),
+                    _ => Err("`max` takes a whole number of attempts, e.g. `max = 4`"),
+                },
+                "deadline_ms" | "backoff_base_ms" | "backoff_cap_ms" | "commit_timeout_ms" => match lit_u64(&value) {
+                    Some(0) if name == "deadline_ms" || name == "commit_timeout_ms" => {
+                        Err("a zero budget would fail every call; give a number of milliseconds above 0")
+                    }
+                    Some(ms) => Ok(SettingValue::Millis(ms)),
+                    None => Err("this key takes a whole number of milliseconds, e.g. `deadline_ms = 800`"),
+                },
+                "isolation" => match &value {
+                    Expr::Path(p) if p.path.get_ident().is_some_and(|i| ["read_committed", "repeatable_read", "serializable"].contains(&i.to_string().as_str())) => {
+                        Ok(SettingValue::Isolation(p.path.get_ident().unwrap().clone()))
+                    }
+                    _ => Err("`isolation` is one of `read_committed` (the default), `repeatable_read` or `serializable`"),
+                },
+                "on_conflict" => match &value {
+                    Expr::Path(p) if p.path.get_ident().is_some_and(|i| i == "lock" || i == "retry") => {
+                        Ok(SettingValue::OnConflict(p.path.get_ident().unwrap().clone()))
+                    }
+                    _ => Err("`on_conflict` is `retry` (the default) or `lock`"),
+                },
+                "retry_lock_not_available" => match &value {
+                    Expr::Lit(syn::ExprLit { lit: Lit::Bool(b), .. }) => Ok(SettingValue::Flag(b.value)),
+                    _ => Err("`retry_lock_not_available` is `true` or `false`"),
+                },
+                "policy" => Ok(SettingValue::Policy(value.clone())),
+                _ => {
+                    errors.push_at(&key, format!("unknown key `{key}` in #[retryable(..)]; the valid keys are {KEYS}"));
+                    return Ok(());
+                }
+            };
+            match parsed {
+                Ok(value) => settings.push(Setting { key, value }),
+                Err(message) => errors.push_at(&value, message),
+            }
+            Ok(())
+        });
+        if let Err(err) = parser.parse2(args) {
+            errors.push(err);
+        }
+
+        let sig = &func.sig;
+        if sig.asyncness.is_none() {
+            errors.push_at(
+                sig.fn_token,
+                "#[retryable] needs an `async fn`: each attempt awaits the database",
+            );
+        }
+        if matches!(sig.output, syn::ReturnType::Default) {
+            errors.push_at(&sig.ident, "a #[retryable] fn returns `Result<T, E>`: the loop must see an attempt fail to replay it");
+        }
+
+        let mut conn: Option<(usize, Ident)> = None;
+        let mut replayed = Vec::new();
+        for (index, input) in sig.inputs.iter().enumerate() {
+            match input {
+                FnArg::Receiver(receiver) => {
+                    if receiver.reference.is_none() || receiver.mutability.is_some() {
+                        errors.push_at(receiver, "a #[retryable] method takes `&self`: its body is replayed on every attempt, so it cannot consume or mutate `self`");
+                    }
+                }
+                FnArg::Typed(arg) => {
+                    let ident = match &*arg.pat {
+                        Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
+                            p.ident.clone()
+                        }
+                        other => {
+                            errors.push_at(other, "give this parameter a plain name: #[retryable] hands it to every attempt again");
+                            continue;
+                        }
+                    };
+                    if conn.is_none() {
+                        if is_connection(&arg.ty) {
+                            conn = Some((index, ident));
+                        } else {
+                            errors.push_at(&arg.ty, "the first parameter of a #[retryable] fn is the attempt's connection: `conn: &mut AsyncPgConnection` (callers pass an `&idem::Pool` in its place)");
+                        }
+                        continue;
+                    }
+                    match &*arg.ty {
+                        Type::Reference(r) if r.mutability.is_some() => errors.push_at(
+                            &arg.ty,
+                            "a #[retryable] body is replayed on every attempt, and a `&mut` argument would carry one attempt's changes into the next; take it by value (Clone) or by shared reference",
+                        ),
+                        Type::Reference(_) => replayed.push(Replayed { ident, by_value: false, ty_span: arg.ty.span() }),
+                        _ => replayed.push(Replayed { ident, by_value: true, ty_span: arg.ty.span() }),
+                    }
+                }
+            }
+        }
+        if conn.is_none() && !sig.inputs.iter().any(|i| matches!(i, FnArg::Typed(_))) {
+            errors.push_at(&sig.ident, "a #[retryable] fn takes the attempt's connection as its first parameter: `conn: &mut AsyncPgConnection`");
+        }
+
+        let (conn_index, conn_ident) =
+            conn.unwrap_or_else(|| (0, Ident::new("conn", Span::call_site())));
+        errors.finish(Retryable {
+            func: func.clone(),
+            settings,
+            conn_index,
+            conn_ident,
+            replayed,
+        })
+    }
+}

@@ -1,0 +1,248 @@
+//! Replaying a transaction that lost a race: from the start, outside the
+//! transaction, on a fresh connection, within a budget of attempts and time.
+//!
+//! The loop ([`RetryLoop`], or the closure form [`retry`], or the
+//! `#[retryable]` macro that expands to the loop) runs each attempt as
+//!
+//! 1. check a connection out of the [`Pool`](crate::pool::Pool);
+//! 2. `BEGIN ISOLATION LEVEL ..`;
+//! 3. run the body, built anew from the original arguments;
+//! 4. on `Ok`, `SELECT 1; COMMIT` in one round trip: the `SELECT 1` fails when a
+//!    statement of the body failed and the body swallowed the error, which
+//!    would otherwise turn the `COMMIT` into a silent rollback reported as
+//!    success ([`RetryError::RolledBack`]);
+//! 5. on `Err`, `ROLLBACK` (or discard the connection when that fails), then
+//!    replay only if the error is [`Transient`] and the budget allows.
+//!
+//! A connection that breaks while `COMMIT` is in flight, or whose `COMMIT`
+//! gets no answer within [`RetryPolicy::commit_timeout`], leaves the outcome
+//! unknown: the loop returns [`RetryError::CommitUnknown`] and never replays,
+//! since the transaction may have committed. An idempotency record (see the
+//! `#[idempotent]` macro) is what tells a later request which it was.
+
+mod backoff;
+mod classify;
+mod run;
+
+use std::time::Duration;
+
+pub(crate) use classify::is_in_failed_transaction;
+pub use classify::{RetryCause, Transient};
+pub use run::{retry, Attempt, RetryLoop};
+
+/// The isolation level each attempt's transaction begins with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Isolation {
+    /// PostgreSQL's default. Lost updates are prevented by versioned writes
+    /// (which come back `Stale`) or row locks, not by the isolation level.
+    #[default]
+    ReadCommitted,
+    /// One snapshot for the whole transaction; a concurrent update of a row it
+    /// writes raises 40001.
+    RepeatableRead,
+    /// Serializable snapshot isolation; write skew raises 40001.
+    Serializable,
+}
+
+impl Isolation {
+    pub(crate) fn begin_sql(self) -> &'static str {
+        match self {
+            Isolation::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            Isolation::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            Isolation::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        }
+    }
+}
+
+/// What the loop does about rows that keep conflicting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnConflict {
+    /// Replay optimistically every time.
+    #[default]
+    Retry,
+    /// After an attempt fails on a version conflict or a 40001, the next
+    /// attempts load versioned rows with `SELECT ... FOR UPDATE`: a hot row
+    /// stops burning attempts, while calls that never conflict never lock.
+    Lock,
+}
+
+/// The budget and settings of a retry loop. Every number has a documented
+/// default; build one with [`RetryPolicy::new`] and the `const` setters, in a
+/// `#[retryable(..)]` attribute or at run time.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_runtime::retry::{Isolation, RetryPolicy};
+///
+/// const TRANSFER: RetryPolicy = RetryPolicy::new()
+///     .max_attempts(5)
+///     .deadline(Duration::from_millis(500))
+///     .isolation(Isolation::Serializable);
+/// assert_eq!(TRANSFER.max_attempts, 5);
+/// assert_eq!(TRANSFER.base_backoff, Duration::from_millis(10));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Most attempts, the first included. Default 4. At least 1.
+    pub max_attempts: u32,
+    /// Total time budget from the call to the start of the last attempt: no
+    /// attempt starts and no backoff sleeps past it. Default 800 ms.
+    pub deadline: Duration,
+    /// First backoff ceiling; it doubles after each failed attempt. Default 10 ms.
+    pub base_backoff: Duration,
+    /// Largest backoff ceiling. Default 150 ms.
+    pub max_backoff: Duration,
+    /// Isolation level of each attempt. Default read committed.
+    pub isolation: Isolation,
+    /// What to do about hot rows. Default [`OnConflict::Retry`].
+    pub on_conflict: OnConflict,
+    /// Replay 55P03 lock_not_available too. Default false.
+    pub retry_lock_not_available: bool,
+    /// How long to wait for the answer to `COMMIT` before declaring the
+    /// outcome unknown. Default 10 s.
+    pub commit_timeout: Duration,
+}
+
+impl RetryPolicy {
+    /// The defaults: 4 attempts, 800 ms, backoff 10 ms doubling to 150 ms with
+    /// full jitter, read committed, no locking, 55P03 not replayed.
+    pub const fn new() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 4,
+            deadline: Duration::from_millis(800),
+            base_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(150),
+            isolation: Isolation::ReadCommitted,
+            on_conflict: OnConflict::Retry,
+            retry_lock_not_available: false,
+            commit_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Set [`max_attempts`](Self::max_attempts); 0 is raised to 1.
+    pub const fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = if n == 0 { 1 } else { n };
+        self
+    }
+
+    /// Set [`deadline`](Self::deadline).
+    pub const fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// Set [`base_backoff`](Self::base_backoff) and [`max_backoff`](Self::max_backoff).
+    pub const fn backoff(mut self, base: Duration, cap: Duration) -> Self {
+        self.base_backoff = base;
+        self.max_backoff = cap;
+        self
+    }
+
+    /// Set [`base_backoff`](Self::base_backoff) alone.
+    pub const fn backoff_base(mut self, base: Duration) -> Self {
+        self.base_backoff = base;
+        self
+    }
+
+    /// Set [`max_backoff`](Self::max_backoff) alone.
+    pub const fn backoff_cap(mut self, cap: Duration) -> Self {
+        self.max_backoff = cap;
+        self
+    }
+
+    /// Set [`isolation`](Self::isolation).
+    pub const fn isolation(mut self, isolation: Isolation) -> Self {
+        self.isolation = isolation;
+        self
+    }
+
+    /// Set [`on_conflict`](Self::on_conflict).
+    pub const fn on_conflict(mut self, on_conflict: OnConflict) -> Self {
+        self.on_conflict = on_conflict;
+        self
+    }
+
+    /// Set [`retry_lock_not_available`](Self::retry_lock_not_available).
+    pub const fn retry_lock_not_available(mut self, yes: bool) -> Self {
+        self.retry_lock_not_available = yes;
+        self
+    }
+
+    /// Set [`commit_timeout`](Self::commit_timeout).
+    pub const fn commit_timeout(mut self, timeout: Duration) -> Self {
+        self.commit_timeout = timeout;
+        self
+    }
+
+    /// Whether this policy replays failures of this cause at all.
+    pub fn replays(&self, cause: RetryCause) -> bool {
+        cause != RetryCause::LockNotAvailable || self.retry_lock_not_available
+    }
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy::new()
+    }
+}
+
+/// The retry loop's own failures. Convert them into your error type with
+/// `From<RetryError>` (a `#[retryable]` function requires it).
+#[derive(Debug, thiserror::Error)]
+pub enum RetryError {
+    /// Every attempt the budget allowed failed with a replayable cause. Answer
+    /// 409 (conflict) or 503 (busy); the request may be sent again.
+    #[error(
+        "gave up after {attempts} attempt(s) in {elapsed:?}; the last one failed with {last_cause}"
+    )]
+    Exhausted {
+        /// Attempts made.
+        attempts: u32,
+        /// Time from the call to giving up.
+        elapsed: Duration,
+        /// Why the last attempt failed.
+        last_cause: RetryCause,
+    },
+    /// The connection failed, or went silent, while `COMMIT` was in flight: the
+    /// transaction may or may not have committed. Not replayed. Answer 503 and
+    /// let the client retry with the same idempotency key, whose record tells.
+    #[error("the outcome of COMMIT is unknown (attempt {attempts}): the connection failed while it was in flight; not retried")]
+    CommitUnknown {
+        /// The attempt whose commit was lost.
+        attempts: u32,
+        /// Time from the call to the failure.
+        elapsed: Duration,
+    },
+    /// The body returned `Ok`, but one of its statements had failed and the
+    /// body ignored the error, so PostgreSQL would have turned the `COMMIT`
+    /// into a rollback. The transaction was rolled back; nothing was committed.
+    #[error("the transaction was rolled back: the body returned Ok, but one of its statements had failed and its error was ignored")]
+    RolledBack,
+    /// `COMMIT` was answered with an error that is not replayable (a deferred
+    /// constraint, say): nothing was committed.
+    #[error("COMMIT failed, nothing was committed: {0}")]
+    Commit(#[source] diesel::result::Error),
+    /// `BEGIN` failed for a reason that is not replayable.
+    #[error("could not begin a transaction: {0}")]
+    Begin(#[source] diesel::result::Error),
+    /// No connection could be checked out of the pool in time.
+    #[error("could not check out a connection: {0}")]
+    Pool(#[from] diesel_async::pooled_connection::deadpool::PoolError),
+    /// A retryable function was called from inside another one's attempt. Its
+    /// loop would commit on its own connection, outside the caller's
+    /// transaction, and be replayed with it: call the inner function's body
+    /// directly with the caller's connection instead.
+    #[error("a #[retryable] function was called inside another retry loop's attempt; call its body with the attempt's connection instead")]
+    Nested,
+}
+
+impl RetryError {
+    /// The HTTP status a handler usually answers with.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            RetryError::Exhausted { .. } => 409,
+            RetryError::CommitUnknown { .. } | RetryError::Pool(_) => 503,
+            _ => 500,
+        }
+    }
+}

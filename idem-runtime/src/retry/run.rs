@@ -1,0 +1,412 @@
+//! The loop itself. `#[retryable]` expands to the same four calls the closure
+//! form [`retry`] makes: [`RetryLoop::begin`], [`RetryLoop::scope`] around the
+//! body, [`RetryLoop::finish`], and again while `finish` says so.
+
+use std::cell::Cell;
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use diesel::connection::{TransactionDepthChange, TransactionManagerStatus};
+use diesel_async::pooled_connection::deadpool::Object;
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
+};
+use scoped_futures::ScopedBoxFuture;
+use tracing::Instrument;
+
+use super::backoff;
+use super::{is_in_failed_transaction, OnConflict, RetryCause, RetryError, RetryPolicy, Transient};
+use crate::attempt::{self, AttemptContext, ATTEMPT};
+use crate::pool::{Pool, PooledConnection};
+
+/// One round trip that commits only a healthy transaction: in a transaction
+/// that saw a failed statement, `SELECT 1` fails with 25P02 and the server
+/// skips the `COMMIT`, instead of answering it with a silent `ROLLBACK`.
+const COMMIT_IF_HEALTHY: &str = "SELECT 1; COMMIT";
+
+/// Run `body` as a retried transaction: the closure form of `#[retryable]`.
+///
+/// The closure is called once per attempt with that attempt's connection,
+/// inside an open transaction; it must return a boxed future (diesel-async's
+/// `scope_boxed()`), as `AsyncConnection::transaction` does.
+///
+/// ```no_run
+/// use diesel_async::RunQueryDsl;
+/// use idem_runtime::retry::{retry, RetryError, RetryPolicy};
+/// use scoped_futures::ScopedFutureExt;
+///
+/// # async fn demo(pool: &idem_runtime::pool::Pool) -> Result<(), diesel::result::Error> {
+/// #[derive(Debug)]
+/// enum AppError { Db(diesel::result::Error), Retry(RetryError) }
+/// impl From<RetryError> for AppError { fn from(e: RetryError) -> Self { AppError::Retry(e) } }
+/// impl idem_runtime::retry::Transient for AppError {
+///     fn transient(&self) -> Option<idem_runtime::retry::RetryCause> {
+///         match self { AppError::Db(e) => e.transient(), AppError::Retry(_) => None }
+///     }
+/// }
+///
+/// let amount = 100_i64;
+/// let moved: Result<usize, AppError> = retry(pool, RetryPolicy::new(), "transfer", |conn| {
+///     async move {
+///         diesel::sql_query("UPDATE accounts SET balance = balance - $1 WHERE id = 1")
+///             .bind::<diesel::sql_types::BigInt, _>(amount)
+///             .execute(conn)
+///             .await
+///             .map_err(AppError::Db)
+///     }
+///     .scope_boxed()
+/// })
+/// .await;
+/// # Ok(()) }
+/// ```
+pub async fn retry<'a, T, E, F>(
+    pool: &Pool,
+    policy: RetryPolicy,
+    name: &'static str,
+    mut body: F,
+) -> Result<T, E>
+where
+    F: for<'c> FnMut(&'c mut AsyncPgConnection) -> ScopedBoxFuture<'a, 'c, Result<T, E>>
+        + Send
+        + 'a,
+    E: Transient + From<RetryError>,
+{
+    let mut retry_loop = RetryLoop::new(pool, policy, name);
+    loop {
+        let mut attempt = retry_loop.begin().await.map_err(E::from)?;
+        let result = retry_loop.scope(body(attempt.conn())).await;
+        if let ControlFlow::Break(outcome) = retry_loop.finish(attempt, result).await {
+            return outcome;
+        }
+    }
+}
+
+/// The state of one call's retry loop: budget spent, and whether rows are
+/// being locked after a conflict.
+pub struct RetryLoop<'p> {
+    pool: &'p Pool,
+    policy: RetryPolicy,
+    name: &'static str,
+    started: Instant,
+    attempts: u32,
+    lock_rows: bool,
+    span: tracing::Span,
+}
+
+/// One attempt's connection, with its transaction open.
+///
+/// Dropping an `Attempt` whose transaction is still open (the caller's future
+/// was cancelled mid-attempt) detaches the connection from the pool and closes
+/// it, so the server rolls the transaction back at once and no connection goes
+/// back to the pool idle in a transaction.
+pub struct Attempt {
+    conn: Option<PooledConnection>,
+    open: bool,
+}
+
+impl Attempt {
+    /// The connection the attempt's body runs on.
+    ///
+    /// # Panics
+    /// After the loop discarded the connection, which only happens inside
+    /// [`RetryLoop::finish`], which consumes the attempt.
+    pub fn conn(&mut self) -> &mut AsyncPgConnection {
+        self.conn
+            .as_mut()
+            .expect("an attempt's connection is only discarded by finish()")
+    }
+
+    /// Close the connection instead of returning it to the pool.
+    fn discard(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            drop(Object::take(conn));
+        }
+        self.open = false;
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        if self.open {
+            tracing::warn!("attempt dropped with its transaction open; closing its connection");
+            self.discard();
+        }
+    }
+}
+
+enum CommitFailure {
+    Unknown,
+    RolledBack,
+    Failed(diesel::result::Error),
+}
+
+impl<'p> RetryLoop<'p> {
+    /// A loop over `pool` with `policy`; `name` identifies the function in
+    /// traces and metrics.
+    pub fn new(pool: &'p Pool, policy: RetryPolicy, name: &'static str) -> Self {
+        let span = tracing::info_span!(
+            "idem.retry",
+            function = name,
+            max_attempts = policy.max_attempts,
+            attempts = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        RetryLoop {
+            pool,
+            policy: RetryPolicy {
+                max_attempts: policy.max_attempts.max(1),
+                ..policy
+            },
+            name,
+            started: Instant::now(),
+            attempts: 0,
+            lock_rows: false,
+            span,
+        }
+    }
+
+    /// Attempts started so far.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// Start the next attempt: a fresh checkout and `BEGIN`.
+    pub async fn begin(&mut self) -> Result<Attempt, RetryError> {
+        if attempt::inside_attempt() {
+            return Err(RetryError::Nested);
+        }
+        loop {
+            self.attempts += 1;
+            let conn = self.pool.get().instrument(self.span.clone()).await?;
+            let mut attempt = Attempt {
+                conn: Some(conn),
+                open: false,
+            };
+            let begin = AnsiTransactionManager::begin_transaction_sql(
+                attempt.conn(),
+                self.policy.isolation.begin_sql(),
+            )
+            .instrument(self.span.clone())
+            .await;
+            match begin {
+                Ok(()) => {
+                    attempt.open = true;
+                    return Ok(attempt);
+                }
+                Err(err) => {
+                    attempt.discard();
+                    // A connection that broke while idle in the pool: nothing
+                    // ran yet, so another connection is always safe to try.
+                    if err.transient() == Some(RetryCause::ConnectionLost) {
+                        if let ControlFlow::Break(exhausted) =
+                            self.back_off(RetryCause::ConnectionLost).await
+                        {
+                            return Err(exhausted);
+                        }
+                        continue;
+                    }
+                    return Err(RetryError::Begin(err));
+                }
+            }
+        }
+    }
+
+    /// Run one attempt's body with the attempt's context (attempt number, row
+    /// locking) visible to versioned reads, inside the attempt's span.
+    pub fn scope<F: Future>(&self, body: F) -> impl Future<Output = F::Output> {
+        let ctx = AttemptContext {
+            attempt: self.attempts,
+            lock_rows: self.lock_rows,
+            saw_stale: Cell::new(false),
+        };
+        let span = tracing::debug_span!(parent: &self.span, "idem.attempt", attempt = self.attempts, lock_rows = self.lock_rows);
+        ATTEMPT.scope(ctx, body).instrument(span)
+    }
+
+    /// End an attempt: commit on `Ok`, roll back on `Err`, and say whether to
+    /// go again (`Continue`, after the backoff sleep) or return (`Break`).
+    pub async fn finish<T, E>(
+        &mut self,
+        mut attempt: Attempt,
+        result: Result<T, E>,
+    ) -> ControlFlow<Result<T, E>>
+    where
+        E: Transient + From<RetryError>,
+    {
+        let cause = match result {
+            Ok(value) => match self.commit(&mut attempt).await {
+                Ok(()) => return self.done(Ok(value), "committed"),
+                Err(CommitFailure::Unknown) => {
+                    let err = RetryError::CommitUnknown {
+                        attempts: self.attempts,
+                        elapsed: self.started.elapsed(),
+                    };
+                    return self.done(Err(E::from(err)), "commit_unknown");
+                }
+                Err(CommitFailure::RolledBack) => {
+                    return self.done(Err(E::from(RetryError::RolledBack)), "rolled_back")
+                }
+                Err(CommitFailure::Failed(err)) => match err.transient() {
+                    Some(cause) if self.policy.replays(cause) => cause,
+                    _ => return self.done(Err(E::from(RetryError::Commit(err))), "commit_failed"),
+                },
+            },
+            Err(err) => {
+                self.roll_back(&mut attempt).await;
+                match err.transient() {
+                    Some(cause) if self.policy.replays(cause) => cause,
+                    _ => return self.done(Err(err), "failed"),
+                }
+            }
+        };
+        drop(attempt);
+        match self.back_off(cause).await {
+            ControlFlow::Continue(()) => ControlFlow::Continue(()),
+            ControlFlow::Break(exhausted) => self.done(Err(E::from(exhausted)), "exhausted"),
+        }
+    }
+
+    fn done<T, E>(&self, outcome: Result<T, E>, label: &'static str) -> ControlFlow<Result<T, E>> {
+        self.span.record("attempts", self.attempts);
+        self.span.record("outcome", label);
+        tracing::debug!(parent: &self.span, attempts = self.attempts, elapsed_ms = self.started.elapsed().as_millis() as u64, outcome = label, "retry loop done");
+        #[cfg(feature = "metrics")]
+        {
+            metrics::histogram!("idem_retry_attempts", "function" => self.name)
+                .record(self.attempts as f64);
+            if label == "committed" && self.attempts > 1 {
+                metrics::counter!("idem_retry_success_after_retry_total", "function" => self.name)
+                    .increment(1);
+            }
+        }
+        ControlFlow::Break(outcome)
+    }
+
+    /// Decide whether another attempt fits the budget, and sleep before it.
+    async fn back_off(&mut self, cause: RetryCause) -> ControlFlow<RetryError> {
+        if cause.is_write_conflict() && self.policy.on_conflict == OnConflict::Lock {
+            self.lock_rows = true;
+        }
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idem_retry_failed_attempts_total", "function" => self.name, "cause" => cause.as_str()).increment(1);
+        let elapsed = self.started.elapsed();
+        let sleep = backoff::full_jitter(backoff::ceiling(
+            self.policy.base_backoff,
+            self.policy.max_backoff,
+            self.attempts,
+        ));
+        if self.attempts >= self.policy.max_attempts || elapsed + sleep >= self.policy.deadline {
+            tracing::info!(parent: &self.span, function = self.name, attempts = self.attempts, elapsed_ms = elapsed.as_millis() as u64, cause = cause.as_str(), "retry budget exhausted");
+            #[cfg(feature = "metrics")]
+            metrics::counter!("idem_retry_exhausted_total", "function" => self.name, "cause" => cause.as_str()).increment(1);
+            return ControlFlow::Break(RetryError::Exhausted {
+                attempts: self.attempts,
+                elapsed,
+                last_cause: cause,
+            });
+        }
+        tracing::info!(parent: &self.span, function = self.name, attempt = self.attempts, cause = cause.as_str(), backoff_us = sleep.as_micros() as u64, elapsed_ms = elapsed.as_millis() as u64, lock_rows = self.lock_rows, "attempt failed; replaying");
+        tokio::time::sleep(sleep).await;
+        ControlFlow::Continue(())
+    }
+
+    async fn commit(&self, attempt: &mut Attempt) -> Result<(), CommitFailure> {
+        let sent = tokio::time::timeout(
+            self.policy.commit_timeout,
+            attempt.conn().batch_execute(COMMIT_IF_HEALTHY),
+        )
+        .instrument(self.span.clone())
+        .await;
+        match sent {
+            Ok(Ok(())) => {
+                attempt.open = false;
+                if !forget_transaction(attempt.conn()) {
+                    attempt.discard();
+                }
+                Ok(())
+            }
+            Err(_elapsed) => {
+                tracing::warn!(parent: &self.span, "COMMIT got no answer in {:?}; outcome unknown", self.policy.commit_timeout);
+                attempt.discard();
+                Err(CommitFailure::Unknown)
+            }
+            Ok(Err(err)) if err.transient() == Some(RetryCause::ConnectionLost) => {
+                tracing::warn!(parent: &self.span, error = %err, "connection failed during COMMIT; outcome unknown");
+                attempt.discard();
+                Err(CommitFailure::Unknown)
+            }
+            Ok(Err(err)) => {
+                let swallowed = is_in_failed_transaction(&err);
+                self.roll_back(attempt).await;
+                Err(if swallowed {
+                    CommitFailure::RolledBack
+                } else {
+                    CommitFailure::Failed(err)
+                })
+            }
+        }
+    }
+
+    /// Roll back, or discard the connection when that fails: either way the
+    /// transaction is gone. A failing rollback is logged, never returned, so it
+    /// cannot hide the error that caused it.
+    async fn roll_back(&self, attempt: &mut Attempt) {
+        if attempt.conn.is_none() {
+            return;
+        }
+        let rolled_back = tokio::time::timeout(
+            self.policy.commit_timeout,
+            AnsiTransactionManager::rollback_transaction(attempt.conn()),
+        )
+        .instrument(self.span.clone())
+        .await;
+        match rolled_back {
+            Ok(Ok(())) if in_transaction(attempt.conn()) == Some(false) => attempt.open = false,
+            Ok(Ok(())) => attempt.discard(),
+            Ok(Err(err)) => {
+                tracing::warn!(parent: &self.span, error = %err, "ROLLBACK failed; discarding the connection");
+                attempt.discard();
+            }
+            Err(_elapsed) => {
+                tracing::warn!(parent: &self.span, "ROLLBACK got no answer; discarding the connection");
+                attempt.discard();
+            }
+        }
+    }
+}
+
+/// Tell diesel's transaction manager that the transaction it began is over,
+/// since the `COMMIT` was sent around it. False when its state does not fit.
+fn forget_transaction(conn: &mut AsyncPgConnection) -> bool {
+    match AnsiTransactionManager::transaction_manager_status_mut(conn) {
+        TransactionManagerStatus::Valid(status) => {
+            status
+                .change_transaction_depth(TransactionDepthChange::DecreaseDepth)
+                .is_ok()
+                && status.transaction_depth().is_none()
+        }
+        TransactionManagerStatus::InError => false,
+    }
+}
+
+fn in_transaction(conn: &mut AsyncPgConnection) -> Option<bool> {
+    match AnsiTransactionManager::transaction_manager_status_mut(conn) {
+        TransactionManagerStatus::Valid(status) => Some(status.transaction_depth().is_some()),
+        TransactionManagerStatus::InError => None,
+    }
+}
+
+// The loop's futures must be Send, or no multi-threaded server could await them.
+#[allow(dead_code)]
+fn assert_send(pool: &Pool) -> impl Future<Output = Result<(), RetryError>> + Send + '_ {
+    async move {
+        let mut retry_loop = RetryLoop::new(pool, RetryPolicy::new(), "assert_send");
+        let attempt = retry_loop.begin().await?;
+        let result: Result<(), RetryError> = Ok(());
+        match retry_loop.finish(attempt, result).await {
+            ControlFlow::Break(outcome) => outcome,
+            ControlFlow::Continue(()) => Ok(()),
+        }
+    }
+}
