@@ -1,5 +1,5 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
-pub use idem_macros::{retryable, Versioned, VersionedChanges};
+pub use idem_macros::{idempotent, retryable, Versioned, VersionedChanges};
 pub use idem_runtime::*;

@@ -6,6 +6,7 @@
 //! reporting every mistake at once; `expand` only reads that description.
 
 mod errors;
+mod idempotent;
 mod retryable;
 mod versioned;
 
@@ -27,4 +28,10 @@ pub fn derive_versioned_changes(input: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
     retryable::retryable(args.into(), item.into()).into()
+}
+
+/// See `idem::idempotent`.
+#[proc_macro_attribute]
+pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    idempotent::idempotent(args.into(), item.into()).into()
 }

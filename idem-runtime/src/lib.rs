@@ -3,13 +3,19 @@
 
 pub mod attempt;
 pub mod etag;
+pub mod idempotency;
 pub mod migrate;
 pub mod pool;
 pub mod retry;
 pub mod versioned;
 
+pub use idempotency::{
+    IdempotencyConfig, IdempotencyError, Idempotent, IdempotentError, Mode, NoFinalErrors,
+};
+pub use migrate::{migrate, MigrateError, MigrationReport};
 pub use pool::Pool;
 pub use retry::{Isolation, OnConflict, RetryCause, RetryError, RetryPolicy, Transient};
+pub use versioned::backstop::install_version_guard;
 pub use versioned::{NoState, Versioned, VersionedChanges, VersionedError};
 
 /// What generated code reaches; not a public API.
@@ -24,6 +30,7 @@ pub mod __private {
 
     /// Asks the compiler whether `V` can hold a version.
     pub fn assert_version_type<V: VersionValue>() {}
+    pub use crate::idempotency::{Field, KeyInput, Lookup, Request};
     pub use crate::retry::RetryLoop;
 
     /// A by-value argument handed to each attempt again.
@@ -45,6 +52,23 @@ pub mod __private {
     /// A fresh copy of a by-value argument for one attempt.
     pub fn replay_arg<T: ReplayArg>(value: &T) -> T {
         value.replay()
+    }
+
+    /// Names the two halves of a function's declared `Result` type, even when
+    /// it is written through an alias.
+    #[diagnostic::on_unimplemented(
+        message = "an #[idempotent] fn returns `Result<T, E>`, not `{Self}`",
+        note = "the stored response is the `T`, and `E` carries idem's errors"
+    )]
+    pub trait ResultParts {
+        /// `T`.
+        type Ok;
+        /// `E`.
+        type Err;
+    }
+    impl<T, E> ResultParts for Result<T, E> {
+        type Ok = T;
+        type Err = E;
     }
 
     /// Pins the output type of an attempt's body, so `?` inside it converts

@@ -7,7 +7,7 @@ use syn::{FnArg, ReturnType};
 
 use super::parse::{Retryable, SettingValue};
 
-fn policy(parsed: &Retryable) -> TokenStream {
+pub(crate) fn policy(parsed: &Retryable) -> TokenStream {
     let mut policy = quote!(::idem::RetryPolicy::new());
     if let Some(base) = parsed.settings.iter().find_map(|s| match &s.value {
         SettingValue::Policy(expr) => Some(expr),
@@ -54,15 +54,9 @@ fn policy(parsed: &Retryable) -> TokenStream {
     policy
 }
 
-pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
-    let func = &parsed.func;
-    let attrs = &func.attrs;
-    let vis = &func.vis;
-    let mut sig = func.sig.clone();
-    let body = &func.block;
-    let conn = &parsed.conn_ident;
-
-    // The caller hands a pool where the function declared its connection.
+/// The function as callers see it: the connection parameter takes a pool.
+pub(crate) fn pool_signature(parsed: &Retryable) -> syn::Signature {
+    let mut sig = parsed.func.sig.clone();
     if let FnArg::Typed(arg) = &mut sig.inputs[parsed.conn_index] {
         let span = arg.ty.span();
         *arg.ty = syn::parse_quote_spanned!(span=> &::idem::Pool);
@@ -70,14 +64,62 @@ pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
             p.mutability = None;
         }
     }
-    let ret = match &sig.output {
-        ReturnType::Type(_, ty) => quote!(#ty),
-        ReturnType::Default => quote!(()),
+    sig
+}
+
+/// The declared return type, and where to point errors about it.
+pub(crate) fn return_type(parsed: &Retryable) -> (TokenStream, Span) {
+    match &parsed.func.sig.output {
+        ReturnType::Type(_, ty) => (quote!(#ty), ty.span()),
+        ReturnType::Default => (quote!(()), parsed.func.sig.ident.span()),
+    }
+}
+
+/// One run of the user's body on `attempt`'s connection, with every
+/// by-value argument cloned afresh: an expression of the declared return type.
+pub(crate) fn attempt_run(parsed: &Retryable, attempt: &syn::Ident) -> TokenStream {
+    let conn = &parsed.conn_ident;
+    let body = &parsed.func.block;
+    let (ret, _) = return_type(parsed);
+    let replays = parsed.replayed.iter().filter(|r| r.by_value).map(|r| {
+        let ident = &r.ident;
+        quote_spanned! {r.ty_span=> let #ident = ::idem::__private::replay_arg(&#ident);}
+    });
+    // The connection type as the user wrote it, so that the import naming it
+    // counts as used (callers see a pool there); its lifetime is the attempt's.
+    let conn_ty = match &parsed.func.sig.inputs[parsed.conn_index] {
+        FnArg::Typed(arg) => match &*arg.ty {
+            syn::Type::Reference(r) => {
+                let elem = &r.elem;
+                quote_spanned!(arg.ty.span()=> &mut #elem)
+            }
+            _ => quote!(&mut ::idem::__private::diesel_async::AsyncPgConnection),
+        },
+        FnArg::Receiver(_) => quote!(&mut ::idem::__private::diesel_async::AsyncPgConnection),
     };
-    let ret_span = match &sig.output {
-        ReturnType::Type(_, ty) => ty.span(),
-        ReturnType::Default => sig.ident.span(),
-    };
+    quote! {{
+        let #conn: #conn_ty = #attempt.conn();
+        #(#replays)*
+        ::idem::__private::attempt_body::<#ret, _>(async move #body).await
+    }}
+}
+
+/// The `module::function` name traces and metrics show.
+pub(crate) fn function_name(parsed: &Retryable) -> TokenStream {
+    let name = &parsed.func.sig.ident;
+    quote!(::core::concat!(
+        ::core::module_path!(),
+        "::",
+        ::core::stringify!(#name)
+    ))
+}
+
+pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
+    let attrs = &parsed.func.attrs;
+    let vis = &parsed.func.vis;
+    let sig = pool_signature(parsed);
+    let conn = &parsed.conn_ident;
+    let (_, ret_span) = return_type(parsed);
 
     let mixed = Span::mixed_site();
     let retry_loop = format_ident!("__idem_loop", span = mixed);
@@ -85,13 +127,9 @@ pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
     let result = format_ident!("__idem_result", span = mixed);
     let outcome = format_ident!("__idem_outcome", span = mixed);
     let error = format_ident!("__idem_error", span = mixed);
-    let name = &sig.ident;
     let policy = policy(parsed);
-
-    let replays = parsed.replayed.iter().filter(|r| r.by_value).map(|r| {
-        let ident = &r.ident;
-        quote_spanned! {r.ty_span=> let #ident = ::idem::__private::replay_arg(&#ident);}
-    });
+    let name = function_name(parsed);
+    let run = attempt_run(parsed, &attempt);
     let finish = quote_spanned! {ret_span=>
         #retry_loop.finish(#attempt, #result).await
     };
@@ -99,11 +137,7 @@ pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
     quote! {
         #(#attrs)*
         #vis #sig {
-            let mut #retry_loop = ::idem::__private::RetryLoop::new(
-                #conn,
-                #policy,
-                ::core::concat!(::core::module_path!(), "::", ::core::stringify!(#name)),
-            );
+            let mut #retry_loop = ::idem::__private::RetryLoop::new(#conn, #policy, #name);
             loop {
                 let mut #attempt = match #retry_loop.begin().await {
                     ::core::result::Result::Ok(#attempt) => #attempt,
@@ -111,13 +145,7 @@ pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
                         return ::core::result::Result::Err(::core::convert::From::from(#error));
                     }
                 };
-                let #result = {
-                    let #conn: &mut ::idem::__private::diesel_async::AsyncPgConnection = #attempt.conn();
-                    #(#replays)*
-                    #retry_loop
-                        .scope(::idem::__private::attempt_body::<#ret, _>(async move #body))
-                        .await
-                };
+                let #result = #retry_loop.scope(async { #run }).await;
                 if let ::core::ops::ControlFlow::Break(#outcome) = #finish {
                     return #outcome;
                 }

@@ -1,7 +1,7 @@
 //! `#[retryable]`: the body becomes one attempt of a retry loop over a pool.
 
-mod expand;
-mod parse;
+pub(crate) mod expand;
+pub(crate) mod parse;
 
 use proc_macro2::TokenStream;
 use quote::ToTokens;
@@ -15,6 +15,25 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
             return out;
         }
     };
+    // #[idempotent] below #[retryable]: let it run first, with this attribute
+    // still on the function, so both orders of stacking mean the same thing.
+    if let Some(i) = func
+        .attrs
+        .iter()
+        .position(|a| crate::idempotent::is_attr(a, "idempotent"))
+    {
+        let mut func = func;
+        let inner = func.attrs.remove(i);
+        let inner_args = match &inner.meta {
+            syn::Meta::List(list) => list.tokens.clone(),
+            _ => TokenStream::new(),
+        };
+        return quote::quote! {
+            #[::idem::idempotent(#inner_args)]
+            #[::idem::retryable(#args)]
+            #func
+        };
+    }
     match parse::Retryable::from_tokens(args, &func) {
         Ok(parsed) => expand::retryable(&parsed),
         // Keep the function as written next to the error, so one mistake in the

@@ -28,6 +28,7 @@ use std::time::Duration;
 
 pub(crate) use classify::is_in_failed_transaction;
 pub use classify::{RetryCause, Transient};
+pub(crate) use run::PreCommit;
 pub use run::{retry, Attempt, RetryLoop};
 
 /// The isolation level each attempt's transaction begins with.

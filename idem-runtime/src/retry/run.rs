@@ -5,6 +5,7 @@
 use std::cell::Cell;
 use std::future::Future;
 use std::ops::ControlFlow;
+use std::pin::Pin;
 use std::time::Instant;
 
 use diesel::connection::{TransactionDepthChange, TransactionManagerStatus};
@@ -103,6 +104,19 @@ pub struct RetryLoop<'p> {
 pub struct Attempt {
     conn: Option<PooledConnection>,
     open: bool,
+    /// `BEGIN` not sent yet: the first statement of the attempt sends it in
+    /// the same round trip (see [`RetryLoop::begin_deferred`]).
+    deferred_begin: Option<&'static str>,
+    /// A statement sent in the same round trip as `COMMIT`.
+    pre_commit: Option<Box<dyn PreCommit>>,
+}
+
+/// A statement that must commit with the attempt, pipelined with `COMMIT`.
+pub(crate) trait PreCommit: Send {
+    fn run<'c>(
+        self: Box<Self>,
+        conn: &'c AsyncPgConnection,
+    ) -> Pin<Box<dyn Future<Output = diesel::QueryResult<()>> + Send + 'c>>;
 }
 
 impl Attempt {
@@ -117,6 +131,16 @@ impl Attempt {
             .expect("an attempt's connection is only discarded by finish()")
     }
 
+    /// The `BEGIN` to send with the attempt's first statement, once.
+    pub(crate) fn take_deferred_begin(&mut self) -> Option<&'static str> {
+        self.deferred_begin.take()
+    }
+
+    /// Send `statement` in the same round trip as the attempt's `COMMIT`.
+    pub(crate) fn before_commit(&mut self, statement: Box<dyn PreCommit>) {
+        self.pre_commit = Some(statement);
+    }
+
     /// Close the connection instead of returning it to the pool.
     fn discard(&mut self) {
         if let Some(conn) = self.conn.take() {
@@ -124,13 +148,38 @@ impl Attempt {
         }
         self.open = false;
     }
+
+    /// Cancel the statement the server may still be running for this attempt,
+    /// then close the connection.
+    ///
+    /// Closing the socket alone does not end a running statement: the backend
+    /// notices the closed connection only when it next writes to it, and keeps
+    /// its transaction and row locks until then (a `pg_sleep(60)` holds them a
+    /// minute). A cancel request, sent on a connection of its own, stops it at
+    /// once; the backend then reads the closed socket, rolls back and exits.
+    /// The connection is discarded, so the request cannot hit a later
+    /// statement. Best effort: without a Tokio runtime, or when the server
+    /// refuses a cancel request without TLS, the statement runs to its end.
+    fn cancel_and_discard(&mut self) {
+        if let Some(conn) = self.conn.as_ref() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let token = conn.cancel_token();
+                runtime.spawn(async move {
+                    if let Err(err) = token.cancel_query(tokio_postgres::NoTls).await {
+                        tracing::debug!(error = %err, "could not cancel the abandoned attempt's statement");
+                    }
+                });
+            }
+        }
+        self.discard();
+    }
 }
 
 impl Drop for Attempt {
     fn drop(&mut self) {
         if self.open {
             tracing::warn!("attempt dropped with its transaction open; closing its connection");
-            self.discard();
+            self.cancel_and_discard();
         }
     }
 }
@@ -182,6 +231,8 @@ impl<'p> RetryLoop<'p> {
             let mut attempt = Attempt {
                 conn: Some(conn),
                 open: false,
+                deferred_begin: None,
+                pre_commit: None,
             };
             let begin = AnsiTransactionManager::begin_transaction_sql(
                 attempt.conn(),
@@ -210,6 +261,41 @@ impl<'p> RetryLoop<'p> {
                 }
             }
         }
+    }
+
+    /// Start the next attempt without sending `BEGIN`: the caller must send
+    /// [`Attempt::take_deferred_begin`] pipelined with its first statement
+    /// (the idempotency claim does), which saves a round trip per request.
+    #[doc(hidden)]
+    pub async fn begin_deferred(&mut self) -> Result<Attempt, RetryError> {
+        if attempt::inside_attempt() {
+            return Err(RetryError::Nested);
+        }
+        self.attempts += 1;
+        let conn = self.pool.get().instrument(self.span.clone()).await?;
+        let mut attempt = Attempt {
+            conn: Some(conn),
+            open: true,
+            deferred_begin: Some(self.policy.isolation.begin_sql()),
+            pre_commit: None,
+        };
+        // diesel must believe the transaction is open, so that a nested
+        // `conn.transaction()` in the body becomes a savepoint.
+        let counted = match AnsiTransactionManager::transaction_manager_status_mut(attempt.conn()) {
+            TransactionManagerStatus::Valid(status) if status.transaction_depth().is_none() => {
+                status
+                    .change_transaction_depth(TransactionDepthChange::IncreaseDepth)
+                    .is_ok()
+            }
+            _ => false,
+        };
+        if !counted {
+            attempt.discard();
+            return Err(RetryError::Begin(
+                diesel::result::Error::AlreadyInTransaction,
+            ));
+        }
+        Ok(attempt)
     }
 
     /// Run one attempt's body with the attempt's context (attempt number, row
@@ -312,12 +398,26 @@ impl<'p> RetryLoop<'p> {
     }
 
     async fn commit(&self, attempt: &mut Attempt) -> Result<(), CommitFailure> {
-        let sent = tokio::time::timeout(
-            self.policy.commit_timeout,
-            attempt.conn().batch_execute(COMMIT_IF_HEALTHY),
-        )
-        .instrument(self.span.clone())
-        .await;
+        let pre_commit = attempt.pre_commit.take();
+        let conn: &AsyncPgConnection = attempt.conn();
+        let mut commit_conn = conn;
+        let both = async move {
+            match pre_commit {
+                None => commit_conn.batch_execute(COMMIT_IF_HEALTHY).await,
+                // Pipelined: if the statement fails, `SELECT 1` fails with 25P02
+                // and the server skips the COMMIT.
+                Some(statement) => {
+                    let (stored, committed) = tokio::join!(
+                        statement.run(conn),
+                        commit_conn.batch_execute(COMMIT_IF_HEALTHY)
+                    );
+                    stored.and(committed)
+                }
+            }
+        };
+        let sent = tokio::time::timeout(self.policy.commit_timeout, both)
+            .instrument(self.span.clone())
+            .await;
         match sent {
             Ok(Ok(())) => {
                 attempt.open = false;

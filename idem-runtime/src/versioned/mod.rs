@@ -14,6 +14,8 @@ pub use cas::CasUpdate;
 use std::fmt::Debug;
 use std::future::Future;
 use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use diesel::pg::Pg;
 use diesel::query_builder::QueryFragment;
@@ -75,7 +77,7 @@ impl VersionedError {
 /// An integer type that can hold a row version: `i16`, `i32` or `i64`.
 #[diagnostic::on_unimplemented(
     message = "the version field of a `#[derive(Versioned)]` model must be an integer, not `{Self}`",
-    label = "this field is named by `version = ..`",
+    label = "expected `i64`, `i32` or `i16`",
     note = "use `i64` with a `bigint NOT NULL DEFAULT 0 CHECK (version >= 0)` column (`i32`/`i16` also work)"
 )]
 pub trait VersionValue: Copy + Send + Sync + 'static {
@@ -308,12 +310,33 @@ impl<M: Versioned, C: VersionedChanges<M> + Sync> ChangesGiven<M> for WithChange
     }
 }
 
+/// Implemented for nothing: the bound of the `.tenant(..)` that builders of a
+/// `tenant = none` model carry only so that calling it explains itself (rustc
+/// would otherwise point at the builder's private `tenant` field).
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "`{M}` is declared `#[versioned(tenant = none)]`: it has no tenant to name",
+    label = "remove this `.tenant(..)`",
+    note = "if the table does have a tenant column, declare it with `#[versioned(tenant = <field>)]` instead"
+)]
+pub trait HasTenantColumn<M> {}
+
 /// A read of one row by tenant and key. See [`Versioned::find`].
 #[must_use = "a Find does nothing until `.load(conn)` is awaited"]
 pub struct Find<M: Versioned, T> {
     key: M::Key,
     tenant: T,
     _model: PhantomData<fn() -> M>,
+}
+
+impl<M: Versioned> Find<M, Untenanted> {
+    #[doc(hidden)]
+    pub fn tenant<X>(self, _tenant: X) -> Self
+    where
+        Untenanted: HasTenantColumn<M>,
+    {
+        self
+    }
 }
 
 impl<M: Versioned> Find<M, TenantMissing> {
@@ -327,6 +350,36 @@ impl<M: Versioned> Find<M, TenantMissing> {
     }
 }
 
+/// The future of a versioned statement, returned by `.load(conn)` and
+/// `.execute(conn)`: await it.
+//
+// A named type rather than an `async fn`'s opaque one: the opaque type would
+// inherit the typestate bounds of its method, so a statement missing its tenant,
+// version or changes would be reported three times (at the call, at the whole
+// expression and at its `.await`) instead of once, at the call.
+#[must_use = "a versioned statement does nothing until it is awaited"]
+pub struct Pending<'c, T>(Pin<Box<dyn Future<Output = Result<T, VersionedError>> + Send + 'c>>);
+
+impl<'c, T> Pending<'c, T> {
+    fn new(fut: impl Future<Output = Result<T, VersionedError>> + Send + 'c) -> Self {
+        Pending(Box::pin(fut))
+    }
+}
+
+impl<T> Future for Pending<'_, T> {
+    type Output = Result<T, VersionedError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.0.as_mut().poll(cx)
+    }
+}
+
+impl<T> Debug for Pending<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pending")
+    }
+}
+
 // The typestate bounds sit on the methods, not on the impls: a bound on the
 // impl hides the method ("exists but its trait bounds were not satisfied") and
 // rustc then never shows the `on_unimplemented` text that names the fix.
@@ -334,14 +387,16 @@ impl<M: Versioned, T> Find<M, T> {
     /// Load the row: the read that supplies the expected version of the next
     /// write. Inside a `#[retryable(on_conflict = lock)]` attempt that follows a
     /// conflict, the row is read `FOR UPDATE`.
-    pub async fn load(self, conn: &mut AsyncPgConnection) -> Result<M, VersionedError>
+    pub fn load<'c>(self, conn: &'c mut AsyncPgConnection) -> Pending<'c, M>
     where
-        T: TenantGiven<M> + Send,
+        T: TenantGiven<M> + Send + 'c,
     {
-        let lock = attempt::lock_rows();
-        M::__load(conn, self.tenant.into_tenant(), self.key, lock)
-            .await?
-            .ok_or(VersionedError::NotFound)
+        Pending::new(async move {
+            let lock = attempt::lock_rows();
+            M::__load(conn, self.tenant.into_tenant(), self.key, lock)
+                .await?
+                .ok_or(VersionedError::NotFound)
+        })
     }
 }
 
@@ -354,6 +409,16 @@ pub struct Update<M: Versioned, T, V, C> {
     changes: C,
     from_state: Option<M::State>,
     _model: PhantomData<fn() -> M>,
+}
+
+impl<M: Versioned, V, C> Update<M, Untenanted, V, C> {
+    #[doc(hidden)]
+    pub fn tenant<X>(self, _tenant: X) -> Self
+    where
+        Untenanted: HasTenantColumn<M>,
+    {
+        self
+    }
 }
 
 impl<M: Versioned, V, C> Update<M, TenantMissing, V, C> {
@@ -410,27 +475,29 @@ impl<M: Versioned, T, V, C> Update<M, T, V, C> {
 
 impl<M: Versioned, T, V, C> Update<M, T, V, C> {
     /// Run the update and return the row as written, with its new version.
-    pub async fn execute(self, conn: &mut AsyncPgConnection) -> Result<M, VersionedError>
+    pub fn execute<'c>(self, conn: &'c mut AsyncPgConnection) -> Pending<'c, M>
     where
-        T: TenantGiven<M> + Send,
-        V: VersionGiven + Send,
-        C: ChangesGiven<M> + Send,
+        T: TenantGiven<M> + Send + 'c,
+        V: VersionGiven + Send + 'c,
+        C: ChangesGiven<M> + Send + 'c,
     {
-        let tenant = self.tenant.into_tenant();
-        let expected = self.version.expected();
-        let written = M::__update(
-            conn,
-            tenant.clone(),
-            self.key.clone(),
-            expected,
-            self.from_state.clone(),
-            self.changes.changes(),
-        )
-        .await?;
-        match written {
-            Some(row) => Ok(row),
-            None => Err(classify::<M>(conn, tenant, self.key, expected, self.from_state).await),
-        }
+        Pending::new(async move {
+            let tenant = self.tenant.into_tenant();
+            let expected = self.version.expected();
+            let written = M::__update(
+                conn,
+                tenant.clone(),
+                self.key.clone(),
+                expected,
+                self.from_state.clone(),
+                self.changes.changes(),
+            )
+            .await?;
+            match written {
+                Some(row) => Ok(row),
+                None => Err(classify::<M>(conn, tenant, self.key, expected, self.from_state).await),
+            }
+        })
     }
 }
 
@@ -441,6 +508,16 @@ pub struct Delete<M: Versioned, T, V> {
     tenant: T,
     version: V,
     _model: PhantomData<fn() -> M>,
+}
+
+impl<M: Versioned, V> Delete<M, Untenanted, V> {
+    #[doc(hidden)]
+    pub fn tenant<X>(self, _tenant: X) -> Self
+    where
+        Untenanted: HasTenantColumn<M>,
+    {
+        self
+    }
 }
 
 impl<M: Versioned, V> Delete<M, TenantMissing, V> {
@@ -469,17 +546,19 @@ impl<M: Versioned, T> Delete<M, T, NoExpectedVersion> {
 
 impl<M: Versioned, T, V> Delete<M, T, V> {
     /// Delete the row if it is still at the expected version.
-    pub async fn execute(self, conn: &mut AsyncPgConnection) -> Result<(), VersionedError>
+    pub fn execute<'c>(self, conn: &'c mut AsyncPgConnection) -> Pending<'c, ()>
     where
-        T: TenantGiven<M> + Send,
-        V: VersionGiven + Send,
+        T: TenantGiven<M> + Send + 'c,
+        V: VersionGiven + Send + 'c,
     {
-        let tenant = self.tenant.into_tenant();
-        let expected = self.version.expected();
-        match M::__delete(conn, tenant.clone(), self.key.clone(), expected).await? {
-            0 => Err(classify::<M>(conn, tenant, self.key, expected, None).await),
-            _ => Ok(()),
-        }
+        Pending::new(async move {
+            let tenant = self.tenant.into_tenant();
+            let expected = self.version.expected();
+            match M::__delete(conn, tenant.clone(), self.key.clone(), expected).await? {
+                0 => Err(classify::<M>(conn, tenant, self.key, expected, None).await),
+                _ => Ok(()),
+            }
+        })
     }
 }
 
@@ -523,9 +602,9 @@ async fn classify<M: Versioned>(
 /// and the key.
 #[doc(hidden)]
 #[diagnostic::on_unimplemented(
-    message = "a versioned changeset cannot assign `{Self}`",
-    label = "this field assigns the version, tenant or key column",
-    note = "idem bumps the version on every update, and the tenant and key say which row is written; remove this field from the changeset"
+    message = "a changeset of `{M}` cannot assign `{Self}`",
+    label = "this is the version, tenant or key column of `{M}`",
+    note = "idem bumps the version itself on every update, and the tenant and key say which row is written: remove this field from the changeset"
 )]
 pub trait Assignable<M> {}
 

@@ -1,0 +1,61 @@
+//! `#[idempotent]`: claim before acting, replay the first result, refuse a
+//! different request under the same key.
+
+mod expand;
+mod parse;
+
+use proc_macro2::TokenStream;
+use quote::ToTokens;
+
+use crate::retryable;
+
+/// Whether `attr` is `#[retryable(..)]` (by any path ending in `retryable`).
+pub(crate) fn is_attr(attr: &syn::Attribute, name: &str) -> bool {
+    attr.path().segments.last().is_some_and(|s| s.ident == name)
+}
+
+pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut func: syn::ItemFn = match syn::parse2(item.clone()) {
+        Ok(func) => func,
+        Err(err) => {
+            let mut out = err.to_compile_error();
+            out.extend(item);
+            return out;
+        }
+    };
+    // A #[retryable] below this attribute has not run yet: its settings
+    // become the policy of the loop generated here.
+    let retry_attr = func
+        .attrs
+        .iter()
+        .position(|a| is_attr(a, "retryable"))
+        .map(|i| func.attrs.remove(i));
+    let retry_args = match &retry_attr {
+        Some(attr) => match &attr.meta {
+            syn::Meta::List(list) => list.tokens.clone(),
+            _ => TokenStream::new(),
+        },
+        None => TokenStream::new(),
+    };
+    let shape = retryable::parse::Retryable::from_tokens(retry_args, &func);
+    let parsed = parse::Idempotent::from_tokens(args, &func);
+    match (shape, parsed) {
+        (Ok(shape), Ok(parsed)) => {
+            let retry_path = retry_attr.as_ref().map(|a| a.path().clone());
+            expand::idempotent(&shape, &parsed, retry_path.as_ref())
+        }
+        (shape, parsed) => {
+            let mut errors = crate::errors::Errors::default();
+            for err in [shape.err(), parsed.err()].into_iter().flatten() {
+                errors.push(err);
+            }
+            let err = errors.finish(()).expect_err("one of the two failed");
+            let mut out = err.to_compile_error();
+            if let Some(attr) = retry_attr {
+                func.attrs.push(attr);
+            }
+            out.extend(func.into_token_stream());
+            out
+        }
+    }
+}

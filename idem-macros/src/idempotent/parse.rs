@@ -1,0 +1,214 @@
+//! Reads `#[idempotent(..)]`, checking every name it refers to.
+
+use proc_macro2::TokenStream;
+use quote::ToTokens;
+use syn::parse::{Parse, ParseStream, Parser};
+use syn::punctuated::Punctuated;
+use syn::{Expr, FnArg, Ident, ItemFn, Lit, LitStr, Pat, Token};
+
+use crate::errors::Errors;
+
+const KEYS: &str = "`key`, `scope`, `fingerprint(..)`, `operation`, `mode`, `ttl_s`, `lease_ms`, `wait_ms`, `max_response_bytes` and `config`";
+
+/// A named field of the fingerprint.
+pub(crate) struct FingerprintField {
+    /// The expression as written, without spaces: the field's name in the
+    /// canonical encoding (`cmd.amount`).
+    pub(crate) name: String,
+    pub(crate) expr: Expr,
+}
+
+pub(crate) enum ModeArg {
+    Local,
+    External,
+}
+
+pub(crate) struct Idempotent {
+    pub(crate) key: Option<Expr>,
+    pub(crate) scope: Option<Expr>,
+    /// `None`: every parameter but the connection.
+    pub(crate) fingerprint: Option<Vec<FingerprintField>>,
+    pub(crate) operation: Option<LitStr>,
+    pub(crate) mode: ModeArg,
+    pub(crate) ttl_s: Option<u64>,
+    pub(crate) lease_ms: Option<u64>,
+    pub(crate) wait_ms: Option<u64>,
+    pub(crate) max_response_bytes: Option<u64>,
+    pub(crate) config: Option<Expr>,
+    /// Every non-connection parameter, for the default fingerprint.
+    pub(crate) params: Vec<Ident>,
+}
+
+struct ExprList(Punctuated<Expr, Token![,]>);
+
+impl Parse for ExprList {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        Ok(ExprList(Punctuated::parse_terminated(input)?))
+    }
+}
+
+/// The parameter an expression like `cmd.amount` or `amount` starts from.
+fn root_ident(expr: &Expr) -> Option<&Ident> {
+    match expr {
+        Expr::Path(p) => p.path.get_ident(),
+        Expr::Field(f) => root_ident(&f.base),
+        Expr::Reference(r) => root_ident(&r.expr),
+        Expr::Paren(p) => root_ident(&p.expr),
+        _ => None,
+    }
+}
+
+fn lit_u64(expr: &Expr) -> Option<u64> {
+    match expr {
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Int(i), ..
+        }) => i.base10_parse().ok(),
+        _ => None,
+    }
+}
+
+impl Idempotent {
+    pub(crate) fn from_tokens(args: TokenStream, func: &ItemFn) -> syn::Result<Idempotent> {
+        let mut errors = Errors::default();
+        let params: Vec<Ident> = func
+            .sig
+            .inputs
+            .iter()
+            .filter_map(|input| match input {
+                FnArg::Typed(arg) => match &*arg.pat {
+                    Pat::Ident(p) => Some(p.ident.clone()),
+                    _ => None,
+                },
+                FnArg::Receiver(_) => None,
+            })
+            .collect();
+        let conn = params.first().cloned();
+        let data_params: Vec<Ident> = params.iter().skip(1).cloned().collect();
+
+        let mut out = Idempotent {
+            key: None,
+            scope: None,
+            fingerprint: None,
+            operation: None,
+            mode: ModeArg::Local,
+            ttl_s: None,
+            lease_ms: None,
+            wait_ms: None,
+            max_response_bytes: None,
+            config: None,
+            params: data_params.clone(),
+        };
+        let mut seen: Vec<Ident> = Vec::new();
+        let parser = syn::meta::parser(|meta| {
+            let Some(key) = meta.path.get_ident().cloned() else {
+                return Err(meta.error(format!("expected one of {KEYS}")));
+            };
+            if seen.contains(&key) {
+                errors.push_at(&key, format!("`{key}` is given twice; keep one"));
+            }
+            seen.push(key.clone());
+            match key.to_string().as_str() {
+                "fingerprint" => {
+                    let content;
+                    syn::parenthesized!(content in meta.input);
+                    let list: ExprList = content.parse()?;
+                    let mut fields: Vec<FingerprintField> = Vec::new();
+                    for expr in list.0 {
+                        match root_ident(&expr) {
+                            Some(root) if data_params.contains(root) => {}
+                            Some(root) if Some(root) == conn.as_ref() => errors.push_at(
+                                root,
+                                format!("`{root}` is the connection; fingerprint(..) names the request's parameters or their fields"),
+                            ),
+                            Some(root) => {
+                                let names: Vec<String> = data_params.iter().map(|p| format!("`{p}`")).collect();
+                                errors.push_at(
+                                    root,
+                                    format!(
+                                        "`{root}` is not a parameter of `{}`; fingerprint(..) names parameters or their fields ({})",
+                                        func.sig.ident,
+                                        if names.is_empty() { "it has none".to_owned() } else { names.join(", ") }
+                                    ),
+                                );
+                            }
+                            None => errors.push_at(&expr, "fingerprint(..) takes parameters or fields of them, like `cmd.amount`"),
+                        }
+                        let name: String = expr
+                            .to_token_stream()
+                            .to_string()
+                            .chars()
+                            .filter(|c| !c.is_whitespace())
+                            .collect();
+                        if fields.iter().any(|f| f.name == name) {
+                            errors.push_at(
+                                &expr,
+                                format!("`{name}` is named twice in fingerprint(..)"),
+                            );
+                        }
+                        fields.push(FingerprintField { name, expr });
+                    }
+                    if fields.is_empty() {
+                        errors.push_at(&key, "fingerprint() names nothing; leave it out to fingerprint every parameter");
+                    }
+                    out.fingerprint = Some(fields);
+                }
+                "key" => out.key = Some(meta.value()?.parse()?),
+                "scope" => out.scope = Some(meta.value()?.parse()?),
+                "config" => out.config = Some(meta.value()?.parse()?),
+                "operation" => out.operation = Some(meta.value()?.parse()?),
+                "mode" => {
+                    let value: Ident = meta.value()?.parse()?;
+                    out.mode = match value.to_string().as_str() {
+                        "local" => ModeArg::Local,
+                        "external" => ModeArg::External,
+                        _ => {
+                            errors.push_at(&value, "`mode` is `local` (every effect is in this database; the default) or `external` (the body calls another system)");
+                            ModeArg::Local
+                        }
+                    };
+                }
+                "ttl_s" | "lease_ms" | "wait_ms" | "max_response_bytes" => {
+                    let value: Expr = meta.value()?.parse()?;
+                    match lit_u64(&value) {
+                        Some(0) if key != "wait_ms" => errors.push_at(&value, format!("`{key} = 0` would expire or refuse everything at once; give a number above 0")),
+                        Some(n) => match key.to_string().as_str() {
+                            "ttl_s" => out.ttl_s = Some(n),
+                            "lease_ms" => out.lease_ms = Some(n),
+                            "wait_ms" => out.wait_ms = Some(n),
+                            _ => out.max_response_bytes = Some(n),
+                        },
+                        None => errors.push_at(&value, format!("`{key}` takes a whole number")),
+                    }
+                }
+                _ => {
+                    errors.push_at(
+                        &key,
+                        format!(
+                            "unknown key `{key}` in #[idempotent(..)]; the valid keys are {KEYS}"
+                        ),
+                    );
+                    if meta.input.peek(Token![=]) {
+                        meta.value()?.parse::<Expr>()?;
+                    } else if meta.input.peek(syn::token::Paren) {
+                        let content;
+                        syn::parenthesized!(content in meta.input);
+                        content.parse::<TokenStream>()?;
+                    }
+                }
+            }
+            Ok(())
+        });
+        if let Err(err) = parser.parse2(args) {
+            errors.push(err);
+        }
+        if let Some(op) = &out.operation {
+            if op.value().is_empty() {
+                errors.push_at(
+                    op,
+                    "`operation` names the operation in the idempotency record; it cannot be empty",
+                );
+            }
+        }
+        errors.finish(out)
+    }
+}

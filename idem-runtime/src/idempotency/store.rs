@@ -1,0 +1,115 @@
+//! The statements on `idem_requests`. The two on every new request (claim and
+//! record) are written as fixed query fragments so diesel caches their
+//! prepared statements (its `INSERT .. ON CONFLICT DO UPDATE` and `UPDATE`
+//! builders are not cached); the rest use the query builder.
+
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::sql_types::{BigInt, Binary, Bool, Jsonb, Nullable, Text};
+use diesel::QueryResult;
+
+diesel::table! {
+    /// One row per (scope, key): see the `idem_requests` migration for every column.
+    idem_requests (scope, key) {
+        scope -> Text,
+        key -> Text,
+        operation -> Text,
+        fingerprint -> Bytea,
+        mode -> Text,
+        state -> Text,
+        outcome -> Nullable<Text>,
+        response -> Nullable<Jsonb>,
+        created_at -> Timestamptz,
+        updated_at -> Timestamptz,
+        expires_at -> Timestamptz,
+        lease_until -> Nullable<Timestamptz>,
+    }
+}
+
+pub(crate) const IN_PROGRESS: &str = "in_progress";
+pub(crate) const COMPLETED: &str = "completed";
+pub(crate) const UNKNOWN: &str = "unknown";
+pub(crate) const OK: &str = "ok";
+pub(crate) const ERROR: &str = "error";
+
+/// Insert the claim, or take over a completed record whose retention ended;
+/// returns a row only when this request now owns the key.
+pub(crate) struct Claim<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) key: &'a str,
+    pub(crate) operation: &'a str,
+    pub(crate) fingerprint: &'a [u8],
+    pub(crate) mode: &'a str,
+    pub(crate) ttl_micros: i64,
+    /// `None` in local mode: a local claim is never visible while in progress.
+    pub(crate) lease_micros: Option<i64>,
+}
+
+impl QueryFragment<Pg> for Claim<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "INSERT INTO idem_requests AS r \
+             (scope, key, operation, fingerprint, mode, state, expires_at, lease_until) VALUES (",
+        );
+        out.push_bind_param::<Text, _>(self.scope)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(self.key)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(self.operation)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Binary, _>(self.fingerprint)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(self.mode)?;
+        out.push_sql(", 'in_progress', now() + ");
+        out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
+        out.push_sql(" * interval '1 microsecond', now() + ");
+        out.push_bind_param::<Nullable<BigInt>, _>(&self.lease_micros)?;
+        out.push_sql(
+            " * interval '1 microsecond') \
+             ON CONFLICT (scope, key) DO UPDATE SET operation = excluded.operation, \
+             fingerprint = excluded.fingerprint, mode = excluded.mode, state = 'in_progress', \
+             outcome = NULL, response = NULL, created_at = now(), updated_at = now(), \
+             expires_at = excluded.expires_at, lease_until = excluded.lease_until \
+             WHERE r.state = 'completed' AND r.expires_at <= now() RETURNING true",
+        );
+        Ok(())
+    }
+}
+
+/// Store the outcome of the request that owns the key.
+pub(crate) struct Record<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) key: &'a str,
+    pub(crate) outcome: &'a str,
+    pub(crate) response: &'a serde_json::Value,
+}
+
+impl QueryFragment<Pg> for Record<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("UPDATE idem_requests SET state = 'completed', outcome = ");
+        out.push_bind_param::<Text, _>(self.outcome)?;
+        out.push_sql(", response = ");
+        out.push_bind_param::<Jsonb, _>(self.response)?;
+        out.push_sql(", updated_at = now(), lease_until = NULL WHERE scope = ");
+        out.push_bind_param::<Text, _>(self.scope)?;
+        out.push_sql(" AND key = ");
+        out.push_bind_param::<Text, _>(self.key)?;
+        out.push_sql(" AND state <> 'completed'");
+        Ok(())
+    }
+}
+
+macro_rules! cacheable_by_sql {
+    ($($t:ident),*) => {$(
+        // Not 'static (binds borrow), so diesel caches by the SQL text, which is fixed.
+        impl QueryId for $t<'_> {
+            type QueryId = ();
+            const HAS_STATIC_QUERY_ID: bool = false;
+        }
+    )*};
+}
+cacheable_by_sql!(Claim, Record);
+
+impl Query for Claim<'_> {
+    type SqlType = Bool;
+}

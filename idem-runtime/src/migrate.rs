@@ -1,0 +1,419 @@
+//! idem's own database objects, shipped as SQL migrations embedded in the crate.
+//!
+//! Call [`migrate`] once at start-up (every instance may call it; see below)
+//! before using anything that relies on these objects, such as
+//! [`install_version_guard`](crate::versioned::backstop::install_version_guard).
+//! The SQL is also available through [`migrations`], for teams that would rather
+//! copy it into their own migration tool.
+//!
+//! # How it runs
+//!
+//! - The migrations are applied in ascending [`Migration::version`] order, each
+//!   in its own `READ COMMITTED` transaction together with the row that records
+//!   it, so a migration is either applied and recorded, or neither.
+//! - Every transaction first takes `pg_advisory_xact_lock(`[`ADVISORY_LOCK_KEY`]`)`,
+//!   so processes that start at the same time queue up instead of racing: the
+//!   first applies what is missing, the others find it recorded. Calling
+//!   [`migrate`] again is a no-op that only verifies checksums.
+//! - A recorded migration is never applied again. If its recorded checksum
+//!   differs from the one embedded in this build, [`migrate`] stops with
+//!   [`MigrateError::ChecksumMismatch`]: either the SQL of a released migration
+//!   was edited or the bookkeeping row was, and a person must look at it.
+//! - Objects are created unqualified, so they land in the first schema of the
+//!   connection's `search_path` (usually `public`); run [`migrate`] with the
+//!   same `search_path` the application uses.
+//!
+//! # Tables and columns
+//!
+//! `idem_schema_migrations`: one row per applied idem migration (created by
+//! [`migrate`] itself, before migration 1).
+//!
+//! | column | type | meaning |
+//! |---|---|---|
+//! | `version` | `integer PRIMARY KEY` | [`Migration::version`]: the number in the file name, `0001_..` is 1 |
+//! | `name` | `text NOT NULL` | [`Migration::name`]: the rest of the file name, e.g. `version_guard` |
+//! | `checksum` | `text NOT NULL` | [`Migration::checksum`]: lowercase hex SHA-256 of the SQL as embedded (line endings normalised to `\n`) |
+//! | `applied_at` | `timestamptz NOT NULL DEFAULT now()` | when the transaction that applied it started |
+//!
+//! # Migrations
+//!
+//! | version | name | creates |
+//! |---|---|---|
+//! | 1 | `version_guard` | the trigger function `idem_version_guard()` (no table), see [`backstop`](crate::versioned::backstop) |
+//!
+//! Every object carries the same description as a `COMMENT ON`, so `\d+` and
+//! `\df+` in psql explain it.
+
+use std::fmt;
+
+use diesel::prelude::*;
+use diesel::result::Error as DieselError;
+use diesel::sql_types::BigInt;
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use sha2::{Digest, Sha256};
+
+/// The key of the transaction-level advisory lock every [`migrate`]
+/// transaction holds: `0x6964_656d_5f6d_6967`, the ASCII bytes of `idem_mig`
+/// (7594306392080345447).
+///
+/// Application code must not use this key for `pg_advisory_lock` or
+/// `pg_advisory_xact_lock` on the same database, or it will wait on (and hold
+/// up) idem's migrations.
+pub const ADVISORY_LOCK_KEY: i64 = 0x6964_656d_5f6d_6967;
+
+/// The name of the table that records applied migrations.
+pub const MIGRATIONS_TABLE: &str = "idem_schema_migrations";
+
+/// One embedded migration: a numbered SQL file from `idem-runtime/migrations/`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Migration {
+    version: i32,
+    name: &'static str,
+    sql: &'static str,
+}
+
+impl Migration {
+    /// Its number: the order it is applied in, and its key in
+    /// `idem_schema_migrations`.
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// A short name, for logs and for people reading `idem_schema_migrations`.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The SQL, exactly as embedded; [`migrate`] runs it as one batch.
+    pub fn sql(&self) -> &'static str {
+        self.sql
+    }
+
+    /// The lowercase hex SHA-256 of [`sql`](Migration::sql), with `\r\n`
+    /// normalised to `\n` so a Windows checkout of the same file agrees.
+    ///
+    /// ```
+    /// let first = &idem_runtime::migrate::migrations()[0];
+    /// assert_eq!(first.checksum().len(), 64);
+    /// ```
+    pub fn checksum(&self) -> String {
+        let normalised = self.sql.replace("\r\n", "\n");
+        let digest = Sha256::digest(normalised.as_bytes());
+        digest.iter().fold(String::with_capacity(64), |mut hex, b| {
+            use fmt::Write as _;
+            let _ = write!(hex, "{b:02x}");
+            hex
+        })
+    }
+}
+
+impl fmt::Debug for Migration {
+    // The SQL is long and says nothing a log line needs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Migration")
+            .field("version", &self.version)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Ascending by version, without gaps; a released entry never changes.
+static MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "version_guard",
+        sql: include_str!("../migrations/0001_version_guard.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "idem_requests",
+        sql: include_str!("../migrations/0002_idem_requests.sql"),
+    },
+];
+
+/// The migrations embedded in this build, in the order [`migrate`] applies them.
+///
+/// ```
+/// let all = idem_runtime::migrate::migrations();
+/// assert_eq!(all[0].version(), 1);
+/// assert!(all[0].sql().contains("idem_version_guard"));
+/// ```
+pub fn migrations() -> &'static [Migration] {
+    MIGRATIONS
+}
+
+/// What one call of [`migrate`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrationReport {
+    /// The migrations this call applied, in order.
+    pub applied: Vec<Migration>,
+    /// The embedded migrations that were already recorded, with a matching
+    /// checksum, and so were left alone.
+    pub already_applied: Vec<Migration>,
+    /// Versions recorded in `idem_schema_migrations` that this build does not
+    /// know: a newer idem migrated this database. Left alone; reported so that
+    /// a deployment can notice it runs older code than its schema.
+    pub unknown: Vec<i32>,
+}
+
+/// Why [`migrate`] stopped. Migrations applied before the failing one stay
+/// applied and recorded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MigrateError {
+    /// A recorded migration's checksum is not the one embedded in this build.
+    /// Nothing is applied again: a person has to find out whether the SQL of a
+    /// released migration was edited or the bookkeeping row was.
+    #[error("idem migration {version} ({name}) is recorded with checksum {recorded}, but this build embeds checksum {embedded}; it is not applied again: find out whether the migration or the row in idem_schema_migrations was edited")]
+    ChecksumMismatch {
+        /// The migration's version.
+        version: i32,
+        /// The migration's name, as embedded.
+        name: &'static str,
+        /// The checksum in `idem_schema_migrations`.
+        recorded: String,
+        /// The checksum of the embedded SQL.
+        embedded: String,
+    },
+    /// The SQL of a migration failed; its transaction was rolled back and it is
+    /// not recorded. Usually missing privileges (`CREATE` on the schema).
+    #[error("idem migration {version} ({name}) failed and was rolled back: {source}")]
+    Apply {
+        /// The migration's version.
+        version: i32,
+        /// The migration's name.
+        name: &'static str,
+        /// What PostgreSQL said.
+        #[source]
+        source: DieselError,
+    },
+    /// The bookkeeping failed: the connection broke, the lock could not be
+    /// taken, or [`migrate`] was called inside a transaction.
+    #[error("database error while running idem's migrations: {0}")]
+    Database(#[from] DieselError),
+}
+
+/// The bookkeeping table as diesel sees it; private, since `table!` makes
+/// everything it declares public.
+mod schema {
+    diesel::table! {
+        /// See the module documentation of `migrate`.
+        idem_schema_migrations (version) {
+            version -> Int4,
+            name -> Text,
+            checksum -> Text,
+            applied_at -> Timestamptz,
+        }
+    }
+}
+use schema::idem_schema_migrations;
+
+/// Serialises every transaction of [`migrate`] across processes.
+const LOCK_SQL: &str = "SELECT pg_advisory_xact_lock($1)";
+
+/// Creates `idem_schema_migrations` with its comments, once. Runs under the
+/// advisory lock, so two processes never both see it missing.
+const BOOTSTRAP_SQL: &str = r#"
+DO $idem_bootstrap$
+BEGIN
+    IF to_regclass('idem_schema_migrations') IS NULL THEN
+        CREATE TABLE idem_schema_migrations (
+            version integer PRIMARY KEY,
+            name text NOT NULL,
+            checksum text NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT now()
+        );
+        COMMENT ON TABLE idem_schema_migrations IS
+            'One row per applied idem migration (idem_runtime::migrate). Written only by migrate(), under pg_advisory_xact_lock(7594306392080345447).';
+        COMMENT ON COLUMN idem_schema_migrations.version IS
+            'The migration number (file 0001_.. is 1); migrations are applied in ascending order.';
+        COMMENT ON COLUMN idem_schema_migrations.name IS
+            'The migration name (the rest of the file name), for people.';
+        COMMENT ON COLUMN idem_schema_migrations.checksum IS
+            'Lowercase hex SHA-256 of the migration SQL as applied; a build embedding different SQL for this version refuses to run.';
+        COMMENT ON COLUMN idem_schema_migrations.applied_at IS
+            'Start of the transaction that applied the migration.';
+    END IF;
+END
+$idem_bootstrap$;
+"#;
+
+/// A row of `idem_schema_migrations`.
+struct Recorded {
+    version: i32,
+    checksum: String,
+}
+
+/// Apply idem's embedded migrations that this database lacks.
+///
+/// Safe to call on every start of every instance: concurrent calls serialise
+/// on [`ADVISORY_LOCK_KEY`], and a second call applies nothing. Must not be
+/// called inside a transaction, since every migration commits on its own. See
+/// the [module documentation](self) for what is created.
+///
+/// ```no_run
+/// use diesel_async::{AsyncConnection, AsyncPgConnection};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut conn = AsyncPgConnection::establish("postgres://localhost/app").await?;
+/// let report = idem_runtime::migrate::migrate(&mut conn).await?;
+/// for m in &report.applied {
+///     println!("applied idem migration {} ({})", m.version(), m.name());
+/// }
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`MigrateError::ChecksumMismatch`] when a recorded migration differs from
+/// the embedded one, [`MigrateError::Apply`] when a migration's SQL fails, and
+/// [`MigrateError::Database`] for everything else.
+pub async fn migrate(conn: &mut AsyncPgConnection) -> Result<MigrationReport, MigrateError> {
+    let recorded = conn
+        .build_transaction()
+        .read_committed()
+        .run(async |conn| {
+            lock(conn).await?;
+            conn.batch_execute(BOOTSTRAP_SQL).await?;
+            load_recorded(conn).await
+        })
+        .await?;
+
+    let mut report = MigrationReport::default();
+    for row in &recorded {
+        match MIGRATIONS.iter().find(|m| m.version == row.version) {
+            Some(m) => verify(m, row)?,
+            None => {
+                tracing::warn!(
+                    version = row.version,
+                    "idem_schema_migrations records a migration this build does not know; a newer idem migrated this database"
+                );
+                report.unknown.push(row.version);
+            }
+        }
+    }
+
+    for m in MIGRATIONS {
+        if recorded.iter().any(|row| row.version == m.version) {
+            report.already_applied.push(*m);
+            continue;
+        }
+        let applied_now = conn
+            .build_transaction()
+            .read_committed()
+            .run(async |conn| apply_unless_recorded(conn, m).await)
+            .await?;
+        if applied_now {
+            tracing::info!(version = m.version, name = m.name, "applied idem migration");
+            report.applied.push(*m);
+        } else {
+            report.already_applied.push(*m);
+        }
+    }
+    Ok(report)
+}
+
+/// Inside a transaction: apply `m` and record it, unless another process did
+/// so since the bootstrap read. Returns whether it was applied here.
+async fn apply_unless_recorded(
+    conn: &mut AsyncPgConnection,
+    m: &'static Migration,
+) -> Result<bool, MigrateError> {
+    use idem_schema_migrations::dsl;
+
+    lock(conn).await?;
+    let row = dsl::idem_schema_migrations
+        .filter(dsl::version.eq(m.version))
+        .select((dsl::version, dsl::checksum))
+        .get_result::<(i32, String)>(conn)
+        .await
+        .optional()?;
+    if let Some((version, checksum)) = row {
+        verify(m, &Recorded { version, checksum })?;
+        return Ok(false);
+    }
+    conn.batch_execute(m.sql)
+        .await
+        .map_err(|source| MigrateError::Apply {
+            version: m.version,
+            name: m.name,
+            source,
+        })?;
+    diesel::insert_into(dsl::idem_schema_migrations)
+        .values((
+            dsl::version.eq(m.version),
+            dsl::name.eq(m.name),
+            dsl::checksum.eq(m.checksum()),
+        ))
+        .execute(conn)
+        .await?;
+    Ok(true)
+}
+
+async fn lock(conn: &mut AsyncPgConnection) -> Result<(), DieselError> {
+    diesel::sql_query(LOCK_SQL)
+        .bind::<BigInt, _>(ADVISORY_LOCK_KEY)
+        .execute(conn)
+        .await
+        .map(|_| ())
+}
+
+async fn load_recorded(conn: &mut AsyncPgConnection) -> Result<Vec<Recorded>, MigrateError> {
+    use idem_schema_migrations::dsl;
+
+    let rows = dsl::idem_schema_migrations
+        .select((dsl::version, dsl::checksum))
+        .order(dsl::version)
+        .load::<(i32, String)>(conn)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(version, checksum)| Recorded { version, checksum })
+        .collect())
+}
+
+fn verify(m: &'static Migration, row: &Recorded) -> Result<(), MigrateError> {
+    let embedded = m.checksum();
+    if row.checksum == embedded {
+        Ok(())
+    } else {
+        Err(MigrateError::ChecksumMismatch {
+            version: m.version,
+            name: m.name,
+            recorded: row.checksum.clone(),
+            embedded,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_ascend_from_one_without_gaps() {
+        for (i, m) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(m.version as usize, i + 1, "{m:?}");
+        }
+    }
+
+    #[test]
+    fn checksum_is_hex_sha256_and_ignores_crlf() {
+        let lf = Migration {
+            version: 1,
+            name: "x",
+            sql: "SELECT 1;\nSELECT 2;\n",
+        };
+        let crlf = Migration {
+            sql: "SELECT 1;\r\nSELECT 2;\r\n",
+            ..lf
+        };
+        assert_eq!(lf.checksum(), crlf.checksum());
+        assert_eq!(
+            Migration { sql: "", ..lf }.checksum(),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+    }
+}

@@ -1,0 +1,395 @@
+//! The database backstop: once `install_version_guard` has run, SQL that
+//! forgets the version bump fails loudly, and versioned writes still work.
+
+use diesel::prelude::*;
+use diesel::result::DatabaseErrorKind;
+use diesel::sql_types::BigInt;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idem::versioned::backstop::{
+    install_version_guard, install_version_guard_on, is_version_guard_violation,
+    VERSION_GUARD_MISCONFIGURED_SQLSTATE, VERSION_GUARD_SQLSTATE,
+};
+use idem::{Versioned, VersionedChanges, VersionedError};
+use tokio_postgres::error::{DbError, SqlState};
+
+diesel::table! {
+    documents (tenant_id, document_id) {
+        tenant_id -> Int8,
+        document_id -> Int8,
+        body -> Jsonb,
+        status -> Text,
+        version -> Int8,
+    }
+}
+
+#[derive(Debug, Clone, Queryable, Selectable, Versioned)]
+#[diesel(table_name = documents)]
+#[versioned(tenant = tenant_id, version = version, key = document_id, state = status)]
+struct Document {
+    tenant_id: i64,
+    document_id: i64,
+    body: serde_json::Value,
+    status: String,
+    version: i64,
+}
+
+#[derive(VersionedChanges)]
+#[versioned(model = Document)]
+#[diesel(table_name = documents)]
+struct Edit {
+    body: serde_json::Value,
+}
+
+const DOCUMENTS_DDL: &str = "CREATE TABLE documents (
+    tenant_id bigint NOT NULL,
+    document_id bigint NOT NULL,
+    body jsonb NOT NULL,
+    status text NOT NULL,
+    version bigint NOT NULL DEFAULT 0 CHECK (version >= 0),
+    PRIMARY KEY (tenant_id, document_id))";
+
+struct Fixture {
+    // Dropped last: the connections below must close before the database goes.
+    _db: idem_testing::TestDatabase,
+    conn: AsyncPgConnection,
+    raw: tokio_postgres::Client,
+}
+
+/// A migrated database with `documents` (documents 1..=3 of tenant 1, at
+/// version 0) and the guard installed on it.
+async fn guarded() -> Fixture {
+    let db = idem_testing::TestDatabase::create().await.unwrap();
+    let mut conn = AsyncPgConnection::establish(db.url()).await.unwrap();
+    idem::migrate::migrate(&mut conn).await.unwrap();
+    conn.batch_execute(DOCUMENTS_DDL).await.unwrap();
+    for id in 1..=3 {
+        Document {
+            tenant_id: 1,
+            document_id: id,
+            body: serde_json::json!({"n": id}),
+            status: "draft".into(),
+            version: 0,
+        }
+        .insert(&mut conn)
+        .await
+        .unwrap();
+    }
+    install_version_guard::<Document>(&mut conn).await.unwrap();
+    let raw = raw_client(db.url()).await;
+    Fixture { _db: db, conn, raw }
+}
+
+async fn raw_client(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// The server's error for a statement that must fail.
+async fn raw_error(raw: &tokio_postgres::Client, sql: &str) -> DbError {
+    let err = raw
+        .batch_execute(sql)
+        .await
+        .expect_err("the guard must refuse this statement");
+    err.as_db_error()
+        .unwrap_or_else(|| panic!("not a server error: {err}"))
+        .clone()
+}
+
+async fn rows(conn: &mut AsyncPgConnection) -> Vec<(i64, serde_json::Value, i64)> {
+    documents::table
+        .select((documents::document_id, documents::body, documents::version))
+        .order(documents::document_id)
+        .load(conn)
+        .await
+        .unwrap()
+}
+
+fn untouched() -> Vec<(i64, serde_json::Value, i64)> {
+    (1..=3)
+        .map(|id| (id, serde_json::json!({"n": id}), 0))
+        .collect()
+}
+
+#[tokio::test]
+async fn update_without_bump_fails_with_the_documented_sqlstate() {
+    let mut f = guarded().await;
+    let err = raw_error(
+        &f.raw,
+        r#"UPDATE documents SET body = '{"n": 100}' WHERE tenant_id = 1 AND document_id = 1"#,
+    )
+    .await;
+    assert_eq!(err.code(), &SqlState::from_code(VERSION_GUARD_SQLSTATE));
+    assert_eq!(VERSION_GUARD_SQLSTATE, "IDV01");
+    assert_eq!(
+        err.message(),
+        "idem_version_guard: UPDATE of public.documents changes version from 0 to 0; \
+         every UPDATE must set it to exactly 1 (old version + 1)"
+    );
+    assert_eq!(err.detail(), Some("old version 0, new version 0"));
+    assert_eq!(err.schema(), Some("public"));
+    assert_eq!(err.table(), Some("documents"));
+    assert_eq!(err.column(), Some("version"));
+    assert!(
+        err.hint().unwrap().contains("version = version + 1"),
+        "{err:?}"
+    );
+    assert_eq!(rows(&mut f.conn).await, untouched());
+}
+
+#[tokio::test]
+async fn bump_by_two_fails() {
+    let mut f = guarded().await;
+    let err = raw_error(
+        &f.raw,
+        "UPDATE documents SET version = version + 2 WHERE document_id = 2",
+    )
+    .await;
+    assert_eq!(err.code(), &SqlState::from_code("IDV01"));
+    assert!(
+        err.message().contains("changes version from 0 to 2"),
+        "{err:?}"
+    );
+    let err = raw_error(
+        &f.raw,
+        "UPDATE documents SET version = 0 WHERE document_id = 2",
+    )
+    .await;
+    assert_eq!(err.code(), &SqlState::from_code("IDV01"));
+    assert_eq!(rows(&mut f.conn).await, untouched());
+}
+
+#[tokio::test]
+async fn bulk_update_that_forgets_the_version_changes_no_row() {
+    let mut f = guarded().await;
+    // Two of the three rows would be fine; the statement fails as a whole.
+    let err = raw_error(
+        &f.raw,
+        "UPDATE documents SET body = '{}', \
+         version = CASE WHEN document_id = 3 THEN version ELSE version + 1 END",
+    )
+    .await;
+    assert_eq!(err.code(), &SqlState::from_code("IDV01"));
+    assert_eq!(rows(&mut f.conn).await, untouched());
+
+    // A bulk update that bumps every row passes: the guard checks the bump only.
+    let n = tokio_postgres::Client::execute(
+        &f.raw,
+        "UPDATE documents SET body = '{}', version = version + 1",
+        &[],
+    )
+    .await
+    .unwrap();
+    assert_eq!(n, 3);
+    assert!(rows(&mut f.conn).await.iter().all(|(_, _, v)| *v == 1));
+}
+
+#[tokio::test]
+async fn through_diesel_the_violation_is_recognisable() {
+    let mut f = guarded().await;
+    let err = diesel::update(documents::table.filter(documents::document_id.eq(1)))
+        .set(documents::status.eq("published"))
+        .execute(&mut f.conn)
+        .await
+        .unwrap_err();
+    assert!(is_version_guard_violation(&err), "{err:?}");
+    match &err {
+        diesel::result::Error::DatabaseError(DatabaseErrorKind::Unknown, info) => {
+            assert_eq!(info.table_name(), Some("documents"));
+            assert_eq!(info.column_name(), Some("version"));
+        }
+        other => panic!("unexpected error {other:?}"),
+    }
+    // The trigger runs before the CHECK constraint: -1 is refused as no bump.
+    let backwards = diesel::update(documents::table.filter(documents::document_id.eq(1)))
+        .set(documents::version.eq(-1))
+        .execute(&mut f.conn)
+        .await
+        .unwrap_err();
+    assert!(is_version_guard_violation(&backwards), "{backwards:?}");
+    // Other database errors are not mistaken for it.
+    let check = diesel::insert_into(documents::table)
+        .values((
+            documents::tenant_id.eq(1),
+            documents::document_id.eq(9),
+            documents::body.eq(serde_json::json!({})),
+            documents::status.eq("draft"),
+            documents::version.eq(-1),
+        ))
+        .execute(&mut f.conn)
+        .await
+        .unwrap_err();
+    assert!(!is_version_guard_violation(&check), "{check:?}");
+}
+
+#[tokio::test]
+async fn versioned_writes_still_work() {
+    let mut f = guarded().await;
+    let edit = Edit {
+        body: serde_json::json!({"edited": true}),
+    };
+    let written = Document::update(1)
+        .tenant(1)
+        .expect_version(0)
+        .set(&edit)
+        .execute(&mut f.conn)
+        .await
+        .unwrap();
+    assert_eq!(written.version, 1);
+    assert_eq!(written.body, serde_json::json!({"edited": true}));
+    let written = Document::update(1)
+        .tenant(1)
+        .expect_version(1)
+        .expect_state("draft".into())
+        .set(&edit)
+        .execute(&mut f.conn)
+        .await
+        .unwrap();
+    assert_eq!(written.version, 2);
+    // The guard does not change how conflicts are reported.
+    let err = Document::update(1)
+        .tenant(1)
+        .expect_version(0)
+        .set(&edit)
+        .execute(&mut f.conn)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            VersionedError::Stale {
+                expected: 0,
+                actual: 2
+            }
+        ),
+        "{err:?}"
+    );
+    // Deletes are not its business.
+    Document::delete(1)
+        .tenant(1)
+        .expect_version(2)
+        .execute(&mut f.conn)
+        .await
+        .unwrap();
+    // A raw UPDATE that bumps by exactly one passes too.
+    f.raw
+        .batch_execute(
+            "UPDATE documents SET status = 'x', version = version + 1 WHERE document_id = 2",
+        )
+        .await
+        .unwrap();
+    let loaded = Document::find(2).tenant(1).load(&mut f.conn).await.unwrap();
+    assert_eq!((loaded.status.as_str(), loaded.version), ("x", 1));
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+#[tokio::test]
+async fn installing_twice_is_fine_and_leaves_one_trigger() {
+    let mut f = guarded().await;
+    install_version_guard::<Document>(&mut f.conn)
+        .await
+        .unwrap();
+    install_version_guard::<Document>(&mut f.conn)
+        .await
+        .unwrap();
+    let n = diesel::sql_query(
+        "SELECT count(*) AS n FROM pg_trigger \
+         WHERE tgrelid = 'documents'::regclass AND tgname = 'idem_version_guard' AND NOT tgisinternal",
+    )
+    .get_result::<Count>(&mut f.conn)
+    .await
+    .unwrap()
+    .n;
+    assert_eq!(n, 1);
+    let err = raw_error(&f.raw, "UPDATE documents SET body = '{}'").await;
+    assert_eq!(err.code(), &SqlState::from_code("IDV01"));
+}
+
+#[tokio::test]
+async fn any_table_and_column_name_is_quoted_safely() {
+    let db = idem_testing::TestDatabase::create().await.unwrap();
+    let mut conn = AsyncPgConnection::establish(db.url()).await.unwrap();
+    idem::migrate::migrate(&mut conn).await.unwrap();
+    let table = r#"We"ird Ta'ble; DROP TABLE x"#;
+    let column = r#"v'e"r\s"#;
+    conn.batch_execute(
+        r#"CREATE TABLE x (id int);
+           CREATE TABLE "We""ird Ta'ble; DROP TABLE x" (id int PRIMARY KEY, note text, "v'e""r\s" bigint NOT NULL DEFAULT 0);
+           INSERT INTO "We""ird Ta'ble; DROP TABLE x" (id, note) VALUES (1, 'a');"#,
+    )
+    .await
+    .unwrap();
+    install_version_guard_on(&mut conn, table, column)
+        .await
+        .unwrap();
+
+    let raw = raw_client(db.url()).await;
+    let err = raw_error(
+        &raw,
+        r#"UPDATE "We""ird Ta'ble; DROP TABLE x" SET note = 'b'"#,
+    )
+    .await;
+    assert_eq!(err.code(), &SqlState::from_code("IDV01"));
+    assert_eq!(err.table(), Some(table));
+    assert_eq!(err.column(), Some(column));
+    raw.batch_execute(
+        r#"UPDATE "We""ird Ta'ble; DROP TABLE x" SET note = 'b', "v'e""r\s" = "v'e""r\s" + 1"#,
+    )
+    .await
+    .unwrap();
+    let x_still_there: i64 =
+        diesel::sql_query("SELECT count(*) AS n FROM pg_class WHERE relname = 'x'")
+            .get_result::<Count>(&mut conn)
+            .await
+            .unwrap()
+            .n;
+    assert_eq!(x_still_there, 1);
+}
+
+#[tokio::test]
+async fn a_guard_on_a_missing_column_fails_loudly_too() {
+    let db = idem_testing::TestDatabase::create().await.unwrap();
+    let mut conn = AsyncPgConnection::establish(db.url()).await.unwrap();
+    idem::migrate::migrate(&mut conn).await.unwrap();
+    conn.batch_execute(DOCUMENTS_DDL).await.unwrap();
+    conn.batch_execute("INSERT INTO documents VALUES (1, 1, '{}', 'draft', 0)")
+        .await
+        .unwrap();
+    // "Version" is not "version": names are used exactly as given.
+    install_version_guard_on(&mut conn, "documents", "Version")
+        .await
+        .unwrap();
+    let raw = raw_client(db.url()).await;
+    let err = raw_error(&raw, "UPDATE documents SET version = version + 1").await;
+    assert_eq!(
+        err.code(),
+        &SqlState::from_code(VERSION_GUARD_MISCONFIGURED_SQLSTATE)
+    );
+    assert!(err.message().contains(r#"no column "Version""#), "{err:?}");
+}
+
+#[tokio::test]
+async fn installing_before_migrating_is_an_error_not_a_silent_no_op() {
+    let db = idem_testing::TestDatabase::create().await.unwrap();
+    let mut conn = AsyncPgConnection::establish(db.url()).await.unwrap();
+    conn.batch_execute(DOCUMENTS_DDL).await.unwrap();
+    let err = install_version_guard::<Document>(&mut conn)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("idem_version_guard"), "{err}");
+    let n = diesel::sql_query(
+        "SELECT count(*) AS n FROM pg_trigger WHERE tgname = 'idem_version_guard'",
+    )
+    .get_result::<Count>(&mut conn)
+    .await
+    .unwrap()
+    .n;
+    assert_eq!(n, 0);
+}
