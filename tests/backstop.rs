@@ -393,3 +393,48 @@ async fn installing_before_migrating_is_an_error_not_a_silent_no_op() {
     .n;
     assert_eq!(n, 0);
 }
+
+mod schema_qualified {
+    use super::*;
+
+    diesel::table! {
+        ledger.notes (id) {
+            id -> Int8,
+            body -> Text,
+            version -> Int8,
+        }
+    }
+
+    #[derive(Debug, Queryable, Selectable, Versioned)]
+    #[diesel(table_name = notes)]
+    #[versioned(tenant = none, key = id)]
+    pub(super) struct Note {
+        id: i64,
+        body: String,
+        version: i64,
+    }
+
+    /// Regression: the trigger went on a table named after the Rust module
+    /// path (`stringify!` of `table_name`), not the table diesel writes to.
+    #[tokio::test]
+    async fn the_guard_lands_on_the_schema_qualified_table_diesel_writes() {
+        let db = idem_testing::TestDatabase::create().await.unwrap();
+        let mut conn = AsyncPgConnection::establish(db.url()).await.unwrap();
+        idem::migrate(&mut conn).await.unwrap();
+        conn.batch_execute(
+            "CREATE SCHEMA ledger; CREATE TABLE ledger.notes (id bigint PRIMARY KEY, body text NOT NULL, version bigint NOT NULL DEFAULT 0); \
+             INSERT INTO ledger.notes VALUES (1, 'a', 0)",
+        )
+        .await
+        .unwrap();
+        assert_eq!(Note::table_sql(), r#""ledger"."notes""#);
+        install_version_guard::<Note>(&mut conn).await.unwrap();
+        let err = conn
+            .batch_execute("UPDATE ledger.notes SET body = 'b'")
+            .await
+            .unwrap_err();
+        assert!(is_version_guard_violation(&err), "{err:?}");
+        let note = Note::find(1).load(&mut conn).await.unwrap();
+        assert_eq!((note.body.as_str(), note.version), ("a", 0));
+    }
+}

@@ -22,7 +22,8 @@ pub use versioned::{NoState, Versioned, VersionedChanges, VersionedError};
 #[doc(hidden)]
 pub mod __private {
     pub use crate::versioned::{
-        Assignable, BypassesVersionCheck, CasUpdate, TenantMissing, Untenanted, VersionValue,
+        table_sql, Assignable, BypassesVersionCheck, CasUpdate, TenantMissing, Untenanted,
+        VersionValue,
     };
 
     /// Asks the compiler whether `C` may be assigned by a changeset of `M`.

@@ -1,15 +1,34 @@
 //! Generates the impls for a parsed model or changeset. Reads only the typed
 //! description from `parse`; every path into idem is absolute and hidden.
 
-use proc_macro2::TokenStream;
+use proc_macro2::{Group, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned};
-use syn::spanned::Spanned;
 
 use super::parse::{ChangeSet, Field, Model};
 
 fn column(table: &syn::Path, field: &Field) -> TokenStream {
     let column = &field.column;
     quote!(#table::#column)
+}
+
+/// `tokens` with every token (and group) at `span`, so that an error about the
+/// whole path points at the user's field rather than at the `table_name`
+/// attribute the path starts with.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|token| match token {
+            TokenTree::Group(group) => {
+                let mut new = Group::new(group.delimiter(), respan(group.stream(), span));
+                new.set_span(span);
+                TokenTree::Group(new)
+            }
+            mut other => {
+                other.set_span(span);
+                other
+            }
+        })
+        .collect()
 }
 
 /// `a.eq(x).and(b.eq(y))...` over `(column, value)` pairs, in order.
@@ -148,10 +167,6 @@ pub(crate) fn model(model: &Model) -> TokenStream {
             let col = column(table, f);
             quote!(impl ::idem::__private::Assignable<#ident> for #col {})
         });
-    let version_check = quote_spanned! {version_ty.span()=>
-        ::idem::__private::assert_version_type::<#version_ty>();
-    };
-
     quote! {
         const _: () = {
             use ::idem::__private::diesel::{BoolExpressionMethods as _, ExpressionMethods as _, OptionalExtension as _, QueryDsl as _, SelectableHelper as _};
@@ -163,11 +178,14 @@ pub(crate) fn model(model: &Model) -> TokenStream {
                 type State = #state_ty;
                 type TenantStart = #tenant_start;
 
-                const TABLE: &'static str = ::core::stringify!(#table);
+                fn table_sql() -> ::std::string::String {
+                    ::idem::__private::table_sql(#table::table)
+                }
                 const VERSION_COLUMN: &'static str = <#version_col as ::idem::__private::diesel::Column>::NAME;
 
+                // `#vv` carries the span of the version field's type, so a type
+                // that is not an integer is reported once, at that type.
                 fn version(&self) -> i64 {
-                    #version_check
                     #vv::to_i64(self.#version_ident)
                 }
 
@@ -265,24 +283,45 @@ pub(crate) fn changes(changes: &ChangeSet) -> TokenStream {
         quote!(#col.eq(&self.#name))
     });
     let checks = changes.fields.iter().map(|f| {
-        let col = column(table, f);
+        let col = respan(column(table, f), f.ident.span());
         quote_spanned! {f.ident.span()=>
             ::idem::__private::assert_assignable::<#model, #col>();
         }
     });
-    // The bypass guard needs a lifetime of its own next to the struct's.
-    let mut guard_generics = changes.generics.clone();
-    guard_generics
-        .params
-        .insert(0, syn::parse_quote!('__idem_r));
-    let (guard_impl, _, _) = guard_generics.split_for_impl();
-    let guard_where = match where_clause {
-        Some(w) => {
-            let preds = &w.predicates;
-            quote!(where #preds, for<'__idem_x> &'__idem_x #ident #ty_generics: ::idem::__private::BypassesVersionCheck)
+    // The bypass guard: both impls carry a bound nothing satisfies. The bound
+    // names the implementing type itself, so rustc's help reads "not implemented
+    // for `&Edit`" / "for `Edit`"; the owned impl needs a binder to keep rustc
+    // from rejecting a bound without generics as trivially false.
+    let guard = quote!(::idem::__private::BypassesVersionCheck);
+    let mut ref_generics = changes.generics.clone();
+    ref_generics.params.insert(0, syn::parse_quote!('__idem_r));
+    ref_generics
+        .make_where_clause()
+        .predicates
+        .push(syn::parse_quote!(for<'__idem_x> #ident #ty_generics: #guard));
+    let (ref_impl, _, ref_where) = ref_generics.split_for_impl();
+    let mut owned_generics = changes.generics.clone();
+    owned_generics
+        .make_where_clause()
+        .predicates
+        .push(syn::parse_quote!(for<'__idem_x> #ident #ty_generics: #guard));
+    let (_, _, owned_where) = owned_generics.split_for_impl();
+
+    // Spanned at the struct rather than at the derive: rustc then does not tell
+    // the user to "consider manually implementing `AsChangeset`", the one fix
+    // that would defeat the guard.
+    let guard_impls = quote_spanned! {ident.span()=>
+        #[automatically_derived]
+        impl #ref_impl ::idem::__private::diesel::query_builder::AsChangeset for &'__idem_r #ident #ty_generics #ref_where {
+            type Target = #table::table;
+            type Changeset = ();
+            fn as_changeset(self) {}
         }
-        None => {
-            quote!(where for<'__idem_x> &'__idem_x #ident #ty_generics: ::idem::__private::BypassesVersionCheck)
+        #[automatically_derived]
+        impl #impl_generics ::idem::__private::diesel::query_builder::AsChangeset for #ident #ty_generics #owned_where {
+            type Target = #table::table;
+            type Changeset = ();
+            fn as_changeset(self) {}
         }
     };
 
@@ -306,18 +345,7 @@ pub(crate) fn changes(changes: &ChangeSet) -> TokenStream {
             // A versioned changeset must not be usable as a plain diesel changeset:
             // these impls exist only so that `diesel::update(..).set(..)` fails with
             // the guard's message instead of a bare "AsChangeset is not implemented".
-            #[automatically_derived]
-            impl #guard_impl ::idem::__private::diesel::query_builder::AsChangeset for &'__idem_r #ident #ty_generics #guard_where {
-                type Target = #table::table;
-                type Changeset = ();
-                fn as_changeset(self) {}
-            }
-            #[automatically_derived]
-            impl #impl_generics ::idem::__private::diesel::query_builder::AsChangeset for #ident #ty_generics #guard_where {
-                type Target = #table::table;
-                type Changeset = ();
-                fn as_changeset(self) {}
-            }
+            #guard_impls
         };
     }
 }

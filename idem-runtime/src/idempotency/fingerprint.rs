@@ -174,7 +174,11 @@ mod tests {
         );
         // The names #[idempotent(fingerprint(cmd.amount, ..))] gives its fields.
         assert_eq!(
-            fp(&[("cmd.merchant", json!("demo")), ("cmd.amount", json!(3000)), ("cmd.currency", json!("CNY"))]),
+            fp(&[
+                ("cmd.merchant", json!("demo")),
+                ("cmd.amount", json!(3000)),
+                ("cmd.currency", json!("CNY"))
+            ]),
             "aa943fd22b80c2b17dd4d2199ace7678ae86bef6d3932c0caf06578c3e56f99f"
         );
     }

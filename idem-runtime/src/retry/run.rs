@@ -499,8 +499,9 @@ fn in_transaction(conn: &mut AsyncPgConnection) -> Option<bool> {
 
 // The loop's futures must be Send, or no multi-threaded server could await them.
 #[allow(dead_code)]
-fn assert_send(pool: &Pool) -> impl Future<Output = Result<(), RetryError>> + Send + '_ {
-    async move {
+fn assert_send(pool: &Pool) {
+    fn send<F: Future + Send>(_: F) {}
+    send(async move {
         let mut retry_loop = RetryLoop::new(pool, RetryPolicy::new(), "assert_send");
         let attempt = retry_loop.begin().await?;
         let result: Result<(), RetryError> = Ok(());
@@ -508,5 +509,5 @@ fn assert_send(pool: &Pool) -> impl Future<Output = Result<(), RetryError>> + Se
             ControlFlow::Break(outcome) => outcome,
             ControlFlow::Continue(()) => Ok(()),
         }
-    }
+    });
 }

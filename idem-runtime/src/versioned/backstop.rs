@@ -66,13 +66,11 @@ pub const VERSION_GUARD_TRIGGER: &str = "idem_version_guard";
 /// Every IDV01 message starts with this.
 const VIOLATION_PREFIX: &str = "idem_version_guard: UPDATE of ";
 
-/// Install (or replace) the trigger `idem_version_guard` on `M::TABLE`,
-/// guarding `M::VERSION_COLUMN`. Idempotent: `CREATE OR REPLACE TRIGGER`
-/// (PostgreSQL 14 or later).
-///
-/// `M::TABLE` is used as one unqualified identifier, resolved through the
-/// connection's `search_path`. Requires [`migrate`](crate::migrate::migrate)
-/// to have run on the database.
+/// Install (or replace) the trigger `idem_version_guard` on the model's table
+/// (as diesel names it, schema included when the `table!` has one), guarding
+/// `M::VERSION_COLUMN`. Idempotent: `CREATE OR REPLACE TRIGGER` (PostgreSQL
+/// 14 or later). Requires [`migrate`](crate::migrate::migrate) to have run on
+/// the database.
 ///
 /// ```no_run
 /// use diesel_async::{AsyncConnection, AsyncPgConnection};
@@ -90,11 +88,12 @@ const VIOLATION_PREFIX: &str = "idem_version_guard: UPDATE of ";
 pub async fn install_version_guard<M: Versioned>(
     conn: &mut AsyncPgConnection,
 ) -> Result<(), DieselError> {
-    install_version_guard_on(conn, M::TABLE, M::VERSION_COLUMN).await
+    let sql = trigger_sql(&M::table_sql(), M::VERSION_COLUMN)?;
+    conn.batch_execute(&sql).await
 }
 
 /// [`install_version_guard`] for a table that has no [`Versioned`] model, or
-/// whose model's `TABLE` is not its SQL name: `table` and `version_column` are
+/// named by a string: `table` and `version_column` are
 /// SQL names, used exactly as given (case and all) and quoted, so any name is
 /// safe to pass.
 ///
@@ -140,10 +139,20 @@ fn create_trigger_sql(table: &str, version_column: &str) -> Result<String, Diese
             ));
         }
     }
+    trigger_sql(&quote_ident(table), version_column)
+}
+
+/// The DDL for a table given as SQL already quoted (diesel's rendering of
+/// the table, e.g. `"app"."documents"`).
+fn trigger_sql(table_sql: &str, version_column: &str) -> Result<String, DieselError> {
+    if version_column.is_empty() || version_column.contains('\0') {
+        return Err(DieselError::QueryBuilderError(
+            format!("{version_column:?} cannot be an SQL identifier").into(),
+        ));
+    }
     Ok(format!(
-        "CREATE OR REPLACE TRIGGER {VERSION_GUARD_TRIGGER} BEFORE UPDATE ON {} \
+        "CREATE OR REPLACE TRIGGER {VERSION_GUARD_TRIGGER} BEFORE UPDATE ON {table_sql} \
          FOR EACH ROW EXECUTE FUNCTION {VERSION_GUARD_TRIGGER}({})",
-        quote_ident(table),
         quote_literal(version_column),
     ))
 }

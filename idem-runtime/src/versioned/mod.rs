@@ -128,8 +128,9 @@ pub trait Versioned: Sized + Send + Sync + 'static {
     #[doc(hidden)]
     type TenantStart: Default + Send;
 
-    /// The SQL name of the table, as diesel knows it.
-    const TABLE: &'static str;
+    /// The table as diesel writes it in SQL: quoted, with its schema when the
+    /// `table!` declares one (`"documents"`, `"app"."documents"`).
+    fn table_sql() -> String;
     /// The SQL name of the version column.
     const VERSION_COLUMN: &'static str;
 
@@ -200,7 +201,7 @@ pub trait Versioned: Sized + Send + Sync + 'static {
         conn: &'c mut AsyncPgConnection,
         tenant: Self::Tenant,
         key: Self::Key,
-    ) -> impl Future<Output = Result<Option<(i64, Option<Self::State>)>, DieselError>> + Send + 'c;
+    ) -> impl Future<Output = Result<Option<Probe<Self::State>>, DieselError>> + Send + 'c;
 
     #[doc(hidden)]
     fn __update<'c, C: VersionedChanges<Self> + Sync>(
@@ -220,6 +221,11 @@ pub trait Versioned: Sized + Send + Sync + 'static {
         expected: i64,
     ) -> impl Future<Output = Result<usize, DieselError>> + Send + 'c;
 }
+
+/// A row's current version and state, read to classify a write that matched
+/// no row.
+#[doc(hidden)]
+pub type Probe<S> = (i64, Option<S>);
 
 /// A set of column assignments for one versioned model: what
 /// `#[derive(VersionedChanges)]` implements. It is deliberately not a diesel
@@ -279,7 +285,7 @@ impl<M: Versioned<Tenant = ()>> TenantGiven<M> for Untenanted {
 #[diagnostic::on_unimplemented(
     message = "this versioned write has no expected version",
     label = "the expected version is missing here",
-    note = "call `.expect_version(row.version)` with the version you read (or the one an `If-Match` header names): a write without it would silently overwrite every change made since that read"
+    note = "call `.expect_version(row.version)` with the version you read (or the one an `If-Match` header names): a write without it would silently overwrite (or delete) every change made since that read"
 )]
 pub trait VersionGiven {
     #[doc(hidden)]
@@ -559,6 +565,21 @@ impl<M: Versioned, T, V> Delete<M, T, V> {
                 _ => Ok(()),
             }
         })
+    }
+}
+
+/// How diesel writes `table` in a FROM clause, e.g. `"app"."documents"`.
+#[doc(hidden)]
+pub fn table_sql<T>(table: T) -> String
+where
+    T: diesel::QuerySource,
+    T::FromClause: QueryFragment<Pg>,
+{
+    let mut sql = <Pg as diesel::backend::Backend>::QueryBuilder::default();
+    match table.from_clause().to_sql(&mut sql, &Pg) {
+        Ok(()) => diesel::query_builder::QueryBuilder::finish(sql),
+        // A table's FROM clause is static text; it cannot fail to render.
+        Err(_) => String::new(),
     }
 }
 
