@@ -12,25 +12,80 @@ mod versioned;
 
 use proc_macro::TokenStream;
 
-/// See `idem::Versioned`.
+/// Makes a Diesel model's every write a compare-and-set on its version column.
+///
+/// ```text
+/// #[derive(Queryable, Selectable, Versioned)]
+/// #[diesel(table_name = documents)]
+/// #[versioned(tenant = tenant_id, version = version, key = document_id, state = status)]
+/// struct Document { tenant_id: i64, document_id: i64, body: Value, status: String, version: i64 }
+/// ```
+///
+/// Keys of `#[versioned(..)]`: `tenant` (required: a field, or `none`),
+/// `version` (default: the field `version`; `i16`, `i32` or `i64`), `key`
+/// (a field or `(a, b)`; default `#[diesel(primary_key(..))]`, else `id`),
+/// `state` (optional, for guarded transitions). It implements
+/// `idem::Versioned`, whose `find`, `update`, `delete` and `insert` are the
+/// whole API; the `idem` crate's documentation has a compiled example.
 #[proc_macro_derive(Versioned, attributes(versioned, diesel))]
 pub fn derive_versioned(input: TokenStream) -> TokenStream {
     versioned::derive_model(input.into()).into()
 }
 
-/// See `idem::VersionedChanges`.
+/// The columns one versioned update assigns:
+/// `#[versioned(model = Document)] #[diesel(table_name = documents)]` on a
+/// struct whose fields are named like the model's. Every field is assigned
+/// (so the statement has one fixed shape and is prepared once); the version,
+/// tenant and key columns cannot be; and the struct is deliberately not a
+/// diesel `AsChangeset`, so `diesel::update(..).set(&changes)` does not compile.
 #[proc_macro_derive(VersionedChanges, attributes(versioned, diesel))]
 pub fn derive_versioned_changes(input: TokenStream) -> TokenStream {
     versioned::derive_changes(input.into()).into()
 }
 
-/// See `idem::retryable`.
+/// Turns an `async fn` whose body is one attempt of a transaction into a retry
+/// loop over a pool.
+///
+/// ```text
+/// #[retryable(max = 4, deadline_ms = 800)]
+/// async fn transfer(conn: &mut AsyncPgConnection, cmd: &Transfer) -> Result<Receipt, AppError> { .. }
+/// // called as transfer(&pool, &cmd): the connection parameter takes an `&idem::Pool`
+/// ```
+///
+/// Keys: `max` (attempts, default 4), `deadline_ms` (default 800),
+/// `backoff_base_ms` (10), `backoff_cap_ms` (150), `isolation`
+/// (`read_committed`, `repeatable_read`, `serializable`), `on_conflict`
+/// (`retry`, `lock`), `retry_lock_not_available` (false),
+/// `commit_timeout_ms` (10 000) and `policy = <expr>` (an
+/// `idem::RetryPolicy` built at run time, the other keys applied on top). The
+/// error type implements `idem::Transient` and `From<idem::RetryError>`;
+/// by-value arguments must be `Clone`, `&mut` arguments are refused, since the
+/// body runs again on every attempt. See `idem::retry` for the semantics.
 #[proc_macro_attribute]
 pub fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
     retryable::retryable(args.into(), item.into()).into()
 }
 
-/// See `idem::idempotent`.
+/// Gives a request one effect however often it arrives: claim the key before
+/// acting, replay the first result, refuse a different request under the
+/// same key.
+///
+/// ```text
+/// #[idempotent(key = cmd.idempotency_key, scope = (ctx.tenant_id, ctx.user_id),
+///              fingerprint(cmd.amount, cmd.currency, cmd.merchant))]
+/// #[retryable(max = 4, deadline_ms = 800)]
+/// async fn create_payment(conn: &mut AsyncPgConnection, ctx: &Ctx, cmd: &PaymentCmd) -> Result<Payment, AppError> { .. }
+/// // called as create_payment(&pool, &ctx, &cmd) -> Result<idem::Idempotent<Payment>, AppError>
+/// ```
+///
+/// Keys: `key = <expr>` (a string or `Option`; derived from scope, operation
+/// and fingerprint when left out), `scope = <expr>`, `fingerprint(a, b.c, ..)`
+/// (parameters or their fields; default every parameter), `operation = "name"`
+/// (default the function's path), `mode = local | external`, `ttl_s`
+/// (86 400), `lease_ms` (30 000), `wait_ms` (0), `max_response_bytes`
+/// (65 536) and `config = <expr>` (an `idem::IdempotencyConfig`). Stacks with
+/// `#[retryable]` in either order. The error type implements
+/// `idem::IdempotentError`. See `idem::idempotency` for the semantics.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     idempotent::idempotent(args.into(), item.into()).into()

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! The runtime behind `idem`'s macros. Use it through the `idem` crate, which
 //! re-exports everything here next to the macros.
 
