@@ -111,7 +111,7 @@ pub(crate) fn model(model: &Model) -> TokenStream {
                     #table::table.filter(#row_filter).select((#version_col, #col)),
                     conn,
                 ).await.optional()?;
-                Ok(__idem_found.map(|(v, s)| (#vv::to_i64(v), ::core::option::Option::Some(s))))
+                ::core::result::Result::Ok(__idem_found.map(|(v, s)| (#vv::to_i64(v), ::core::option::Option::Some(s))))
             }
         }
         None => quote! {
@@ -119,7 +119,7 @@ pub(crate) fn model(model: &Model) -> TokenStream {
                 #table::table.filter(#row_filter).select(#version_col),
                 conn,
             ).await.optional()?;
-            Ok(__idem_found.map(|v| (#vv::to_i64(v), ::core::option::Option::None)))
+            ::core::result::Result::Ok(__idem_found.map(|v| (#vv::to_i64(v), ::core::option::Option::None)))
         },
     };
     let state_filter_update = match state {

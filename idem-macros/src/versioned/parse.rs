@@ -56,13 +56,10 @@ struct Arg<T> {
 
 impl<T> Arg<T> {
     fn set(slot: &mut Option<Arg<T>>, key: Ident, value: T, errors: &mut Errors) {
-        if let Some(first) = slot {
+        if slot.is_some() {
             errors.push_at(
                 &key,
-                format!(
-                    "`{key}` is given twice in #[versioned(..)]; keep one (the first is at `{}`)",
-                    first.key
-                ),
+                format!("`{key}` is given more than once in #[versioned(..)]; keep only the one you mean"),
             );
         } else {
             *slot = Some(Arg { key, value });
@@ -232,13 +229,13 @@ impl Model {
         let mut version: Option<Arg<Ident>> = None;
         let mut key: Option<Arg<KeyFields>> = None;
         let mut state: Option<Arg<Ident>> = None;
-        let mut seen_attr = false;
+        let mut first_attr: Option<&syn::Attribute> = None;
         for attr in input
             .attrs
             .iter()
             .filter(|a| a.path().is_ident("versioned"))
         {
-            seen_attr = true;
+            first_attr.get_or_insert(attr);
             let parsed = attr.parse_nested_meta(|meta| {
                 let Some(name) = meta.path.get_ident().cloned() else {
                     return Err(meta.error(format!("expected one of {MODEL_KEYS}")));
@@ -264,16 +261,17 @@ impl Model {
             }
         }
 
-        if !seen_attr {
-            errors.push_at(
+        let seen_attr = first_attr.is_some();
+        match first_attr {
+            None => errors.push_at(
                 &input.ident,
-                "#[derive(Versioned)] needs #[versioned(tenant = <field>, version = <field>)] (use `tenant = none` for a table without tenants)",
-            );
-        } else if tenant.is_none() {
-            errors.push_at(
-                &input.ident,
-                "#[versioned(..)] must name the tenant: `tenant = tenant_id`, or `tenant = none` for a table that has no tenants",
-            );
+                "#[derive(Versioned)] needs #[versioned(tenant = <field>, version = <field>, key = <field>)] on the struct (`tenant = none` for a table without tenants)",
+            ),
+            Some(attr) if tenant.is_none() => errors.push_at(
+                attr,
+                "#[versioned(..)] must name the tenant: add `tenant = <field>`, or `tenant = none` for a table that has no tenants",
+            ),
+            Some(_) => {}
         }
 
         let ident = &input.ident;
