@@ -1,6 +1,8 @@
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
-use idem::{retryable, RetryCause, RetryError, Transient, Versioned, VersionedChanges, VersionedError};
+use idem::{
+    retryable, RetryCause, RetryError, Transient, Versioned, VersionedChanges, VersionedError,
+};
 
 diesel::table! {
     counters (id) {
@@ -46,7 +48,11 @@ impl Transient for AppError {
 #[retryable(max = 60, deadline_ms = 20000)]
 async fn bump(conn: &mut AsyncPgConnection, id: i64) -> Result<i64, AppError> {
     let c = Counter::find(id).load(conn).await?;
-    let c = Counter::update(id).expect_version(c.version).set(&SetN { n: c.n + 1 }).execute(conn).await?;
+    let c = Counter::update(id)
+        .expect_version(c.version)
+        .set(&SetN { n: c.n + 1 })
+        .execute(conn)
+        .await?;
     Ok(c.n)
 }
 
@@ -55,7 +61,14 @@ async fn smoke() {
     let db = idem_testing::TestDatabase::create().await.unwrap();
     let mut conn = AsyncPgConnection::establish(db.url()).await.unwrap();
     conn.batch_execute("CREATE TABLE counters (id bigint primary key, n bigint not null, version bigint not null default 0)").await.unwrap();
-    Counter { id: 1, n: 0, version: 0 }.insert(&mut conn).await.unwrap();
+    Counter {
+        id: 1,
+        n: 0,
+        version: 0,
+    }
+    .insert(&mut conn)
+    .await
+    .unwrap();
     let pool = idem::pool::build_pool(db.url()).unwrap();
     let mut tasks = Vec::new();
     for _ in 0..10 {

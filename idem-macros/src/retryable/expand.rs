@@ -130,8 +130,15 @@ pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
     let policy = policy(parsed);
     let name = function_name(parsed);
     let run = attempt_run(parsed, &attempt);
+    // The bounds of `finish` are the ones a user's error type can miss: point
+    // the call's tokens at the return type, so that those errors point there
+    // rather than at the attribute.
+    let at_ret =
+        |ident: &syn::Ident| syn::Ident::new(&ident.to_string(), mixed.located_at(ret_span));
+    let (loop_at_ret, attempt_at_ret, result_at_ret) =
+        (at_ret(&retry_loop), at_ret(&attempt), at_ret(&result));
     let finish = quote_spanned! {ret_span=>
-        #retry_loop.finish(#attempt, #result).await
+        #loop_at_ret.finish(#attempt_at_ret, #result_at_ret).await
     };
 
     quote! {

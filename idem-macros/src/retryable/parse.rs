@@ -2,6 +2,7 @@
 //! can be replayed. Nothing here generates code.
 
 use proc_macro2::{Span, TokenStream};
+use quote::ToTokens;
 use syn::parse::Parser;
 use syn::spanned::Spanned;
 use syn::{Expr, FnArg, Ident, ItemFn, Lit, Pat, Type};
@@ -69,20 +70,21 @@ impl Retryable {
     pub(crate) fn from_tokens(args: TokenStream, func: &ItemFn) -> syn::Result<Retryable> {
         let mut errors = Errors::default();
         let mut settings: Vec<Setting> = Vec::new();
+        // Every key given so far, with its value as written.
+        let mut given: Vec<(Ident, String)> = Vec::new();
         let parser = syn::meta::parser(|meta| {
             let Some(key) = meta.path.get_ident().cloned() else {
                 return Err(meta.error(format!("expected one of {KEYS}")));
             };
-            if let Some(first) = settings.iter().find(|s| s.key == key) {
+            let value: Expr = meta.value()?.parse()?;
+            if let Some((_, first)) = given.iter().find(|(k, _)| *k == key) {
                 errors.push_at(
                     &key,
-                    format!(
-                        "`{key}` is given twice; keep one (the first is `{}`)",
-                        first.key
-                    ),
+                    format!("`{key}` is given twice; keep one (it was first given as `{key} = {first}`)"),
                 );
+                return Ok(());
             }
-            let value: Expr = meta.value()?.parse()?;
+            given.push((key.clone(), value.to_token_stream().to_string()));
             let name = key.to_string();
             let parsed = match name.as_str() {
                 "max" => match lit_u64(&value) {
@@ -163,7 +165,24 @@ impl Retryable {
                         if is_connection(&arg.ty) {
                             conn = Some((index, ident));
                         } else {
-                            errors.push_at(&arg.ty, "the first parameter of a #[retryable] fn is the attempt's connection: `conn: &mut AsyncPgConnection` (callers pass an `&idem::Pool` in its place)");
+                            let later = sig.inputs.iter().skip(index + 1).find_map(|i| match i {
+                                FnArg::Typed(a) if is_connection(&a.ty) => Some(a),
+                                _ => None,
+                            });
+                            let message = match later {
+                                Some(later) => format!(
+                                    "the attempt's connection comes first in a #[retryable] fn: move `{}` before `{}` (callers pass an `&idem::Pool` in its place)",
+                                    later.pat.to_token_stream(),
+                                    arg.pat.to_token_stream(),
+                                ),
+                                None => "the first parameter of a #[retryable] fn is the attempt's connection: `conn: &mut AsyncPgConnection` (callers pass an `&idem::Pool` in its place)".to_owned(),
+                            };
+                            errors.push_at(&arg.ty, message);
+                            // One mistake, one error: the connection found later
+                            // is not reported as a stray `&mut` argument too.
+                            if later.is_some() {
+                                break;
+                            }
                         }
                         continue;
                     }

@@ -1,0 +1,33 @@
+use diesel_async::AsyncPgConnection;
+use idem::{retryable, RetryCause, RetryError, Transient};
+
+#[derive(Debug)]
+enum AppError {
+    Db(diesel::result::Error),
+    Retry(RetryError),
+}
+
+impl From<RetryError> for AppError {
+    fn from(e: RetryError) -> Self {
+        AppError::Retry(e)
+    }
+}
+
+impl Transient for AppError {
+    fn transient(&self) -> Option<RetryCause> {
+        match self {
+            AppError::Db(e) => e.transient(),
+            AppError::Retry(_) => None,
+        }
+    }
+}
+
+// A `&mut` would carry one attempt's changes into the next.
+#[retryable]
+async fn transfer(conn: &mut AsyncPgConnection, log: &mut Vec<String>) -> Result<(), AppError> {
+    let _ = conn;
+    log.push("transferred".to_owned());
+    Ok(())
+}
+
+fn main() {}
