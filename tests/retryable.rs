@@ -1422,6 +1422,21 @@ async fn on_conflict_lock_stops_a_hot_row_from_burning_attempts() {
     assert!(adaptive.iter().all(|(a, _)| *a <= 2), "{adaptive:?}");
     assert!(adaptive_wasted <= HOT_WRITERS, "{adaptive_wasted} wasted");
 
+    // The row that lost version races is remembered: a later call locks it
+    // from its first attempt, while a call without on_conflict = lock never does.
+    let log = Arc::new(AttemptLog::default());
+    let attempt = increment_adaptive(&env.pool, 1, Arc::new(Barrier::new(1)), log.clone()).await;
+    assert_eq!(attempt.unwrap(), 1);
+    assert_eq!(*log.lock().unwrap(), vec![(1, true)]);
+    let log = Arc::new(AttemptLog::default());
+    let attempt = increment_optimistic(&env.pool, 1, Arc::new(Barrier::new(1)), log.clone()).await;
+    assert_eq!(attempt.unwrap(), 1);
+    assert_eq!(*log.lock().unwrap(), vec![(1, false)]);
+    assert_eq!(
+        env.counter(1).await,
+        (HOT_WRITERS as i64 + 2, HOT_WRITERS as i64 + 2)
+    );
+
     let optimistic = hot_row(&env, 2, false).await;
     let optimistic_wasted = optimistic.len() - HOT_WRITERS;
     assert!(optimistic.iter().all(|(_, locked)| !locked));

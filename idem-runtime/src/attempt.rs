@@ -7,7 +7,12 @@
 //! reads them, so escalating a hot row to `SELECT ... FOR UPDATE` needs no change
 //! in user code.
 
-use std::cell::Cell;
+use std::any::TypeId;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// What one attempt of a retry loop knows about itself.
 #[derive(Debug, Clone)]
@@ -16,27 +21,77 @@ pub(crate) struct AttemptContext {
     pub(crate) attempt: u32,
     /// Load versioned rows with `FOR UPDATE` in this attempt.
     pub(crate) lock_rows: bool,
-    /// Set by a versioned write that came back `Stale` in this attempt.
-    pub(crate) saw_stale: Cell<bool>,
+    /// Under `on_conflict = lock`: how long a row that lost a version race
+    /// stays hot, so that later calls lock it from their first attempt.
+    pub(crate) hot_row_memory: Option<Duration>,
 }
 
 tokio::task_local! {
     pub(crate) static ATTEMPT: AttemptContext;
 }
 
-/// True when the current task runs inside an attempt that asked for row locks.
-pub(crate) fn lock_rows() -> bool {
-    ATTEMPT.try_with(|ctx| ctx.lock_rows).unwrap_or(false)
+/// One versioned row, as the hot-row memory knows it: the model and a hash of
+/// the key (a collision only makes a cold row lock, which is always safe).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct RowId {
+    model: TypeId,
+    key: u64,
+}
+
+impl RowId {
+    pub(crate) fn of<M: 'static, K: Hash>(key: &K) -> RowId {
+        let mut hasher = DefaultHasher::new();
+        key.hash(&mut hasher);
+        RowId {
+            model: TypeId::of::<M>(),
+            key: hasher.finish(),
+        }
+    }
+}
+
+/// Rows that lost a version race recently, and when. Bounded: when full, old
+/// entries go, and if none is old, all go (forgetting a hot row costs one more
+/// optimistic round, never correctness).
+fn hot_rows() -> &'static Mutex<HashMap<RowId, Instant>> {
+    static HOT: OnceLock<Mutex<HashMap<RowId, Instant>>> = OnceLock::new();
+    HOT.get_or_init(Default::default)
+}
+const HOT_ROWS_CAPACITY: usize = 4096;
+
+/// Whether the current attempt should read `row` with `FOR UPDATE`: after a
+/// conflict in this call, or, under `on_conflict = lock`, when the row lost a
+/// version race within the policy's memory.
+pub(crate) fn lock_row(row: RowId) -> bool {
+    ATTEMPT
+        .try_with(|ctx| {
+            ctx.lock_rows
+                || ctx.hot_row_memory.is_some_and(|memory| {
+                    let hot = hot_rows().lock().unwrap_or_else(|p| p.into_inner());
+                    hot.get(&row).is_some_and(|at| at.elapsed() < memory)
+                })
+        })
+        .unwrap_or(false)
+}
+
+/// Remember that `row` lost a version race, when the current attempt runs
+/// under `on_conflict = lock`.
+pub(crate) fn note_stale(row: RowId) {
+    let Ok(Some(memory)) = ATTEMPT.try_with(|ctx| ctx.hot_row_memory) else {
+        return;
+    };
+    let mut hot = hot_rows().lock().unwrap_or_else(|p| p.into_inner());
+    if hot.len() >= HOT_ROWS_CAPACITY && !hot.contains_key(&row) {
+        hot.retain(|_, at| at.elapsed() < memory);
+        if hot.len() >= HOT_ROWS_CAPACITY {
+            hot.clear();
+        }
+    }
+    hot.insert(row, Instant::now());
 }
 
 /// True when the current task runs inside an attempt of a retry loop.
 pub(crate) fn inside_attempt() -> bool {
     ATTEMPT.try_with(|_| ()).is_ok()
-}
-
-/// Remember, for the retry loop, that a versioned write lost to a newer version.
-pub(crate) fn note_stale() {
-    let _ = ATTEMPT.try_with(|ctx| ctx.saw_stale.set(true));
 }
 
 /// The attempt number (1-based) of the attempt the current task runs in, if any.

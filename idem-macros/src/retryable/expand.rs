@@ -27,6 +27,9 @@ pub(crate) fn policy(parsed: &Retryable) -> TokenStream {
             ("backoff_cap_ms", SettingValue::Millis(ms)) => {
                 quote!(.backoff_cap(::core::time::Duration::from_millis(#ms)))
             }
+            ("hot_row_memory_ms", SettingValue::Millis(ms)) => {
+                quote!(.hot_row_memory(::core::time::Duration::from_millis(#ms)))
+            }
             ("commit_timeout_ms", SettingValue::Millis(ms)) => {
                 quote!(.commit_timeout(::core::time::Duration::from_millis(#ms)))
             }

@@ -9,7 +9,7 @@ use syn::{Expr, FnArg, Ident, ItemFn, Lit, Pat, Type};
 
 use crate::errors::Errors;
 
-const KEYS: &str = "`max`, `deadline_ms`, `backoff_base_ms`, `backoff_cap_ms`, `isolation`, `on_conflict`, `retry_lock_not_available`, `commit_timeout_ms` and `policy`";
+const KEYS: &str = "`max`, `deadline_ms`, `backoff_base_ms`, `backoff_cap_ms`, `isolation`, `on_conflict`, `retry_lock_not_available`, `commit_timeout_ms`, `hot_row_memory_ms` and `policy`";
 
 /// A setting given in the attribute, with the token it came from.
 pub(crate) struct Setting {
@@ -92,7 +92,7 @@ impl Retryable {
                     Some(n) if n <= u32::MAX as u64 => Ok(SettingValue::Count(n as u32)),
                     _ => Err("`max` takes a whole number of attempts, e.g. `max = 4`"),
                 },
-                "deadline_ms" | "backoff_base_ms" | "backoff_cap_ms" | "commit_timeout_ms" => match lit_u64(&value) {
+                "deadline_ms" | "backoff_base_ms" | "backoff_cap_ms" | "commit_timeout_ms" | "hot_row_memory_ms" => match lit_u64(&value) {
                     Some(0) if name == "deadline_ms" || name == "commit_timeout_ms" => {
                         Err("a zero budget would fail every call; give a number of milliseconds above 0")
                     }

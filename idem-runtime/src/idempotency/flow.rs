@@ -13,7 +13,7 @@ use diesel_async::{
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::store::{self, idem_requests, Claim, Record};
+use super::store::{self, idem_requests, Claim, Read, Record};
 use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, IdempotencyError, Idempotent,
     IdempotentError, Mode, CURRENT_KEY,
@@ -119,24 +119,15 @@ impl Request {
         }
     }
 
+    fn read_query(&self) -> Read<'_> {
+        Read {
+            scope: &self.scope,
+            key: &self.key,
+        }
+    }
+
     async fn read(&self, conn: &mut AsyncPgConnection) -> QueryResult<Option<Stored>> {
-        use diesel::dsl::now;
-        use idem_requests::dsl as r;
-        r::idem_requests
-            .filter(r::scope.eq(&self.scope))
-            .filter(r::key.eq(&self.key))
-            .select((
-                r::operation,
-                r::fingerprint,
-                r::state,
-                r::outcome,
-                r::response,
-                r::lease_until.lt(now),
-                r::expires_at.le(now),
-            ))
-            .get_result(conn)
-            .await
-            .optional()
+        self.read_query().get_result(conn).await.optional()
     }
 
     /// What an existing record means for this request.
@@ -159,9 +150,11 @@ impl Request {
         }
     }
 
-    /// The fast path of a repeated request, before any transaction: one read
-    /// of the record. Never decides that a request is new by itself; the claim
-    /// does that.
+    /// Read the record outside any transaction and answer from it, waiting
+    /// up to [`IdempotencyConfig::wait`] while it is in progress. Never decides
+    /// that a request is new by itself (`New` only means "no live record
+    /// here now"); the claim does that. External mode answers a lost claim
+    /// with it; local mode does not need it (see [`Request::claim_local`]).
     pub async fn lookup<T: DeserializeOwned, E: IdempotentError>(
         &self,
         pool: &Pool,
@@ -189,10 +182,16 @@ impl Request {
         }
     }
 
-    /// Local mode, first statement of an attempt: `BEGIN` and the claim in
-    /// one round trip. On a conflict the claim waits for the owner's
-    /// transaction; once that committed, the record is read (the next READ
-    /// COMMITTED statement sees it) and answered.
+    /// Local mode, first statements of an attempt, in one round trip: `BEGIN`,
+    /// a read of the record, and the claim. So a new request costs no round
+    /// trip and no transaction more than the bare handler (its one commit is
+    /// the attempt's), and a repeated one is answered from that read, in a
+    /// transaction that wrote nothing.
+    ///
+    /// The claim leaves a live record it sees alone (no lock). Against a
+    /// concurrent first request whose claim is not committed yet, it waits for
+    /// that transaction; once it committed, the record is read again (the next
+    /// READ COMMITTED statement sees it) and answered.
     ///
     /// The same round trip also prepares the statement that records the
     /// outcome (run on no row), so that at the end it can be pipelined with
@@ -203,6 +202,7 @@ impl Request {
     ) -> Lookup<T, E> {
         let begin = attempt.take_deferred_begin();
         let conn: &AsyncPgConnection = attempt.conn();
+        let read = self.read_query();
         let claim = self.claim();
         let warm_up = Record {
             scope: "",
@@ -210,27 +210,38 @@ impl Request {
             outcome: store::OK,
             response: &serde_json::Value::Null,
         };
-        let (mut begin_conn, mut claim_conn, mut warm_conn) = (conn, conn, conn);
+        let (mut begin_conn, mut read_conn, mut claim_conn, mut warm_conn) =
+            (conn, conn, conn, conn);
         // Polled in this order, so sent in this order: BEGIN first.
-        let (begun, claimed, warmed) = tokio::join!(
+        let (begun, seen, claimed, warmed) = tokio::join!(
             async {
                 match begin {
                     Some(sql) => begin_conn.batch_execute(sql).await,
                     None => Ok(()),
                 }
             },
+            read.get_result::<Stored>(&mut read_conn),
             claim.get_result::<bool>(&mut claim_conn),
             warm_up.execute(&mut warm_conn),
         );
-        let claimed = match begun
-            .and(claimed.optional())
-            .and_then(|c| warmed.map(|_| c))
-        {
-            Ok(claimed) => claimed,
+        let outcome = begun
+            .and(seen.optional())
+            .and_then(|seen| claimed.optional().map(|claimed| (seen, claimed)))
+            .and_then(|both| warmed.map(|_| both));
+        let (seen, claimed) = match outcome {
+            Ok(both) => both,
             Err(e) => return Lookup::Done(Err(E::from(IdempotencyError::Database(e)))),
         };
         if claimed.is_some() {
             return Lookup::New;
+        }
+        // The claim found a live record: the one read before it, unless that
+        // read came too early to see it.
+        if let Some(stored) = seen {
+            match self.judge(stored) {
+                Found::New => {}
+                found => return found.into_lookup(),
+            }
         }
         match self.read(attempt.conn()).await {
             Ok(Some(stored)) => self.judge(stored).into_lookup(),

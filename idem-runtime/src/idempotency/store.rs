@@ -1,7 +1,8 @@
-//! The statements on `idem_requests`. The two on every new request (claim and
-//! record) are written as fixed query fragments so diesel caches their
-//! prepared statements (its `INSERT .. ON CONFLICT DO UPDATE` and `UPDATE`
-//! builders are not cached); the rest use the query builder.
+//! The statements on `idem_requests`. The three on every request (read,
+//! claim and record) are written as fixed query fragments so diesel caches
+//! their prepared statements (its `INSERT .. ON CONFLICT DO UPDATE` and
+//! `UPDATE` builders are not cached) and they can be pipelined on a shared
+//! connection; the rest use the query builder.
 
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
@@ -34,6 +35,12 @@ pub(crate) const ERROR: &str = "error";
 
 /// Insert the claim, or take over a completed record whose retention ended;
 /// returns a row only when this request now owns the key.
+///
+/// A live record this statement's snapshot already sees is left alone: no
+/// insert is tried, so the conflict path (which locks the row, and so makes a
+/// replay a writing transaction that queues behind the others) is only taken
+/// against a claim not yet visible, i.e. a concurrent first request, and
+/// against an expired record.
 pub(crate) struct Claim<'a> {
     pub(crate) scope: &'a str,
     pub(crate) key: &'a str,
@@ -49,7 +56,7 @@ impl QueryFragment<Pg> for Claim<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
             "INSERT INTO idem_requests AS r \
-             (scope, key, operation, fingerprint, mode, state, expires_at, lease_until) VALUES (",
+             (scope, key, operation, fingerprint, mode, state, expires_at, lease_until) SELECT ",
         );
         out.push_bind_param::<Text, _>(self.scope)?;
         out.push_sql(", ");
@@ -65,7 +72,13 @@ impl QueryFragment<Pg> for Claim<'_> {
         out.push_sql(" * interval '1 microsecond', now() + ");
         out.push_bind_param::<Nullable<BigInt>, _>(&self.lease_micros)?;
         out.push_sql(
-            " * interval '1 microsecond') \
+            " * interval '1 microsecond' WHERE NOT EXISTS (SELECT FROM idem_requests l WHERE l.scope = ",
+        );
+        out.push_bind_param::<Text, _>(self.scope)?;
+        out.push_sql(" AND l.key = ");
+        out.push_bind_param::<Text, _>(self.key)?;
+        out.push_sql(
+            " AND (l.state <> 'completed' OR l.expires_at > now())) \
              ON CONFLICT (scope, key) DO UPDATE SET operation = excluded.operation, \
              fingerprint = excluded.fingerprint, mode = excluded.mode, state = 'in_progress', \
              outcome = NULL, response = NULL, created_at = now(), updated_at = now(), \
@@ -99,6 +112,37 @@ impl QueryFragment<Pg> for Record<'_> {
     }
 }
 
+/// Read the record of a key, with whether its lease and its retention ran out.
+pub(crate) struct Read<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) key: &'a str,
+}
+
+impl QueryFragment<Pg> for Read<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "SELECT operation, fingerprint, state, outcome, response, lease_until < now(), \
+             expires_at <= now() FROM idem_requests WHERE scope = ",
+        );
+        out.push_bind_param::<Text, _>(self.scope)?;
+        out.push_sql(" AND key = ");
+        out.push_bind_param::<Text, _>(self.key)?;
+        Ok(())
+    }
+}
+
+impl Query for Read<'_> {
+    type SqlType = (
+        Text,
+        diesel::sql_types::Bytea,
+        Text,
+        Nullable<Text>,
+        Nullable<Jsonb>,
+        Nullable<Bool>,
+        Bool,
+    );
+}
+
 macro_rules! cacheable_by_sql {
     ($($t:ident),*) => {$(
         // Not 'static (binds borrow), so diesel caches by the SQL text, which is fixed.
@@ -108,7 +152,7 @@ macro_rules! cacheable_by_sql {
         }
     )*};
 }
-cacheable_by_sql!(Claim, Record);
+cacheable_by_sql!(Claim, Record, Read);
 
 impl Query for Claim<'_> {
     type SqlType = Bool;

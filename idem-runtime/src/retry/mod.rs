@@ -64,6 +64,9 @@ pub enum OnConflict {
     /// After an attempt fails on a version conflict or a 40001, the next
     /// attempts load versioned rows with `SELECT ... FOR UPDATE`: a hot row
     /// stops burning attempts, while calls that never conflict never lock.
+    /// A row that lost a version race is also remembered for
+    /// [`RetryPolicy::hot_row_memory`], and later calls lock it from their
+    /// first attempt.
     Lock,
 }
 
@@ -102,6 +105,10 @@ pub struct RetryPolicy {
     /// How long to wait for the answer to `COMMIT` before declaring the
     /// outcome unknown. Default 10 s.
     pub commit_timeout: Duration,
+    /// Under [`OnConflict::Lock`]: how long a row that lost a version race
+    /// stays hot, read `FOR UPDATE` from the first attempt of later calls.
+    /// Default 10 s.
+    pub hot_row_memory: Duration,
 }
 
 impl RetryPolicy {
@@ -117,6 +124,7 @@ impl RetryPolicy {
             on_conflict: OnConflict::Retry,
             retry_lock_not_available: false,
             commit_timeout: Duration::from_secs(10),
+            hot_row_memory: Duration::from_secs(10),
         }
     }
 
@@ -172,6 +180,12 @@ impl RetryPolicy {
     /// Set [`commit_timeout`](Self::commit_timeout).
     pub const fn commit_timeout(mut self, timeout: Duration) -> Self {
         self.commit_timeout = timeout;
+        self
+    }
+
+    /// Set [`hot_row_memory`](Self::hot_row_memory).
+    pub const fn hot_row_memory(mut self, memory: Duration) -> Self {
+        self.hot_row_memory = memory;
         self
     }
 

@@ -2,7 +2,6 @@
 //! form [`retry`] makes: [`RetryLoop::begin`], [`RetryLoop::scope`] around the
 //! body, [`RetryLoop::finish`], and again while `finish` says so.
 
-use std::cell::Cell;
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::pin::Pin;
@@ -304,7 +303,8 @@ impl<'p> RetryLoop<'p> {
         let ctx = AttemptContext {
             attempt: self.attempts,
             lock_rows: self.lock_rows,
-            saw_stale: Cell::new(false),
+            hot_row_memory: (self.policy.on_conflict == OnConflict::Lock)
+                .then_some(self.policy.hot_row_memory),
         };
         let span = tracing::debug_span!(parent: &self.span, "idem.attempt", attempt = self.attempts, lock_rows = self.lock_rows);
         ATTEMPT.scope(ctx, body).instrument(span)

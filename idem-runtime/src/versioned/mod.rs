@@ -120,7 +120,7 @@ pub trait Versioned: Sized + Send + Sync + 'static {
     /// The tenant column's Rust type, or `()` for `tenant = none`.
     type Tenant: Clone + Send + Sync + 'static;
     /// The key's Rust type: one field's type or a tuple of them.
-    type Key: Clone + Send + Sync + 'static;
+    type Key: Clone + std::hash::Hash + Send + Sync + 'static;
     /// The state column's Rust type, or [`NoState`].
     type State: Clone + Debug + PartialEq + Send + Sync + 'static;
     /// Where a builder starts on the tenant: [`TenantMissing`] for tenanted
@@ -398,7 +398,7 @@ impl<M: Versioned, T> Find<M, T> {
         T: TenantGiven<M> + Send + 'c,
     {
         Pending::new(async move {
-            let lock = attempt::lock_rows();
+            let lock = attempt::lock_row(attempt::RowId::of::<M, _>(&self.key));
             M::__load(conn, self.tenant.into_tenant(), self.key, lock)
                 .await?
                 .ok_or(VersionedError::NotFound)
@@ -591,6 +591,7 @@ async fn classify<M: Versioned>(
     expected: i64,
     from_state: Option<M::State>,
 ) -> VersionedError {
+    let row = attempt::RowId::of::<M, _>(&key);
     let current = match M::__probe(conn, tenant, key).await {
         Ok(current) => current,
         Err(e) => return VersionedError::Database(e),
@@ -613,7 +614,7 @@ async fn classify<M: Versioned>(
         },
     };
     if matches!(err, VersionedError::Stale { .. }) {
-        attempt::note_stale();
+        attempt::note_stale(row);
     }
     err
 }
