@@ -3,3 +3,6 @@
 
 pub use idem_macros::{idempotent, retryable, Versioned, VersionedChanges};
 pub use idem_runtime::*;
+
+#[cfg(feature = "axum")]
+pub mod http;

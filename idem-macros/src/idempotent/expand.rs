@@ -1,8 +1,9 @@
-//! Generates the idempotent function: validation, the replay fast path, and
-//! the retry loop whose attempts claim, run and record.
+//! Generates the idempotent function: validation, the claim (local mode: in
+//! each attempt; external mode: committed first), and the retry loop whose
+//! attempts run the body and record its outcome.
 
-use proc_macro2::{Span, TokenStream};
-use quote::{format_ident, quote, quote_spanned};
+use proc_macro2::{Span, TokenStream, TokenTree};
+use quote::{format_ident, quote, quote_spanned, ToTokens};
 
 use super::parse::{Idempotent, ModeArg};
 use crate::retryable::expand::{attempt_run, function_name, policy, pool_signature, return_type};
@@ -32,6 +33,50 @@ fn config(parsed: &Idempotent) -> TokenStream {
         config = quote!(#config.max_response_bytes(#n));
     }
     config
+}
+
+/// The names `tokens` refer to, field names (right after a `.`) left out.
+fn names_in(tokens: TokenStream, out: &mut Vec<String>) {
+    let mut after_dot = false;
+    for token in tokens {
+        let dot = matches!(&token, TokenTree::Punct(p) if p.as_char() == '.');
+        match token {
+            TokenTree::Ident(ident) if !after_dot => out.push(ident.to_string()),
+            TokenTree::Group(group) => names_in(group.stream(), out),
+            _ => {}
+        }
+        after_dot = dot;
+    }
+}
+
+/// A by-value parameter is cloned afresh for each attempt; when only the
+/// attribute (key, scope, fingerprint) reads it, that per-attempt copy would
+/// be reported as an unused variable at the parameter. Mark the copies of the
+/// parameters the attribute reads as used.
+pub(crate) fn mark_attribute_uses(shape: &mut Retryable, parsed: &Idempotent) {
+    let mut names = Vec::new();
+    let exprs = [&parsed.key, &parsed.scope, &parsed.config];
+    for expr in exprs.into_iter().flatten() {
+        names_in(expr.to_token_stream(), &mut names);
+    }
+    match &parsed.fingerprint {
+        Some(fields) => {
+            for field in fields {
+                names_in(field.expr.to_token_stream(), &mut names);
+            }
+        }
+        None => names.extend(parsed.params.iter().map(ToString::to_string)),
+    }
+    let marks: Vec<syn::Stmt> = shape
+        .replayed
+        .iter()
+        .filter(|r| r.by_value && names.contains(&r.ident.to_string()))
+        .map(|r| {
+            let ident = &r.ident;
+            syn::parse_quote!(let _ = &#ident;)
+        })
+        .collect();
+    shape.func.block.stmts.splice(0..0, marks);
 }
 
 pub(crate) fn idempotent(
@@ -116,10 +161,9 @@ pub(crate) fn idempotent(
     };
 
     let flow = match parsed.mode {
+        // The record is read in the attempt's first round trip, with the
+        // claim: a new request then commits once, in the attempt.
         ModeArg::Local => quote! {
-            if let ::idem::__private::Lookup::Done(#outcome) = #request.lookup::<#ok_ty, #err_ty>(#pool).await {
-                return #outcome;
-            }
             let mut #retry_loop = ::idem::__private::RetryLoop::new(#pool, #policy, #name);
             loop {
                 let mut #attempt = match #retry_loop.begin_deferred().await {

@@ -23,6 +23,17 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
             return out;
         }
     };
+    // Said here, in this attribute's words (the loop's own check would speak
+    // of #[retryable]).
+    if let syn::ReturnType::Default = func.sig.output {
+        let mut out = syn::Error::new_spanned(
+            &func.sig.ident,
+            "an #[idempotent] fn returns `Result<T, E>`: the `T` is the response stored and replayed under the key, and `E` carries idem's errors (`From<idem::IdempotencyError>`)",
+        )
+        .to_compile_error();
+        out.extend(func.into_token_stream());
+        return out;
+    }
     // A #[retryable] below this attribute has not run yet: its settings
     // become the policy of the loop generated here.
     let retry_attr = func
@@ -40,7 +51,8 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let shape = retryable::parse::Retryable::from_tokens(retry_args, &func);
     let parsed = parse::Idempotent::from_tokens(args, &func);
     match (shape, parsed) {
-        (Ok(shape), Ok(parsed)) => {
+        (Ok(mut shape), Ok(parsed)) => {
+            expand::mark_attribute_uses(&mut shape, &parsed);
             let retry_path = retry_attr.as_ref().map(|a| a.path().clone());
             expand::idempotent(&shape, &parsed, retry_path.as_ref())
         }

@@ -4,10 +4,22 @@ use proc_macro2::TokenStream;
 use quote::ToTokens;
 use syn::parse::{Parse, ParseStream, Parser};
 use syn::punctuated::Punctuated;
-use syn::{Expr, FnArg, Ident, ItemFn, Lit, LitStr, Pat, Token};
+use syn::{Expr, FnArg, Ident, ItemFn, Lit, LitStr, Pat, ReturnType, Token, Type};
 
 use crate::errors::Errors;
 
+const NAMES: &[&str] = &[
+    "key",
+    "scope",
+    "fingerprint",
+    "operation",
+    "mode",
+    "ttl_s",
+    "lease_ms",
+    "wait_ms",
+    "max_response_bytes",
+    "config",
+];
 const KEYS: &str = "`key`, `scope`, `fingerprint(..)`, `operation`, `mode`, `ttl_s`, `lease_ms`, `wait_ms`, `max_response_bytes` and `config`";
 
 /// A named field of the fingerprint.
@@ -58,6 +70,51 @@ fn root_ident(expr: &Expr) -> Option<&Ident> {
     }
 }
 
+/// Why a setting cannot be 0, and what to give instead.
+fn zero_message(key: &str) -> String {
+    let why = match key {
+        "ttl_s" => "a record kept 0 seconds is never replayed, so a repeated request would run again",
+        "lease_ms" => "a lease of 0 ms runs out at once, so every external request would be reported as outcome unknown",
+        _ => "no response fits in 0 bytes, so every request would fail",
+    };
+    format!(
+        "`{key} = 0`: {why}; give a number above 0, e.g. `{}`",
+        example(key)
+    )
+}
+
+/// A sensible value of a numeric setting, for messages.
+fn example(key: &str) -> &'static str {
+    match key {
+        "ttl_s" => "ttl_s = 86400",
+        "lease_ms" => "lease_ms = 30000",
+        "wait_ms" => "wait_ms = 500",
+        _ => "max_response_bytes = 65536",
+    }
+}
+
+/// Types no alias of `Result` is named after.
+const NOT_RESULTS: &[&str] = &[
+    "Option", "Vec", "String", "str", "Box", "HashMap", "BTreeMap", "bool", "char", "i8", "i16",
+    "i32", "i64", "i128", "isize", "u8", "u16", "u32", "u64", "u128", "usize", "f32", "f64",
+];
+
+/// The return type, when it visibly is no `Result` (any other path may be an
+/// alias of one, and is left to the type check, which names `ResultParts`).
+fn not_a_result(output: &ReturnType) -> Option<&Type> {
+    let ReturnType::Type(_, ty) = output else {
+        return None;
+    };
+    match &**ty {
+        Type::Path(p) => match p.path.segments.last() {
+            Some(last) if NOT_RESULTS.iter().any(|name| last.ident == name) => Some(ty),
+            _ => None,
+        },
+        Type::Paren(_) | Type::Group(_) | Type::Macro(_) | Type::Verbatim(_) => None,
+        _ => Some(ty),
+    }
+}
+
 fn lit_u64(expr: &Expr) -> Option<u64> {
     match expr {
         Expr::Lit(syn::ExprLit {
@@ -104,7 +161,10 @@ impl Idempotent {
                 return Err(meta.error(format!("expected one of {KEYS}")));
             };
             if seen.contains(&key) {
-                errors.push_at(&key, format!("`{key}` is given twice; keep one"));
+                errors.push_at(
+                    &key,
+                    format!("`{key}` is given twice in #[idempotent(..)]; keep one"),
+                );
             }
             seen.push(key.clone());
             match key.to_string().as_str() {
@@ -170,21 +230,35 @@ impl Idempotent {
                 "ttl_s" | "lease_ms" | "wait_ms" | "max_response_bytes" => {
                     let value: Expr = meta.value()?.parse()?;
                     match lit_u64(&value) {
-                        Some(0) if key != "wait_ms" => errors.push_at(&value, format!("`{key} = 0` would expire or refuse everything at once; give a number above 0")),
+                        Some(0) if key != "wait_ms" => {
+                            errors.push_at(&value, zero_message(&key.to_string()))
+                        }
                         Some(n) => match key.to_string().as_str() {
                             "ttl_s" => out.ttl_s = Some(n),
                             "lease_ms" => out.lease_ms = Some(n),
                             "wait_ms" => out.wait_ms = Some(n),
                             _ => out.max_response_bytes = Some(n),
                         },
-                        None => errors.push_at(&value, format!("`{key}` takes a whole number")),
+                        None => errors.push_at(
+                            &value,
+                            format!(
+                                "`{key}` takes a whole number, e.g. `{}`",
+                                example(&key.to_string())
+                            ),
+                        ),
                     }
                 }
                 _ => {
+                    let name = key.to_string();
+                    let hint = NAMES
+                        .iter()
+                        .find(|valid| valid.starts_with(name.as_str()) || name.starts_with(*valid))
+                        .map(|valid| format!(" (did you mean `{valid}`?)"))
+                        .unwrap_or_default();
                     errors.push_at(
                         &key,
                         format!(
-                            "unknown key `{key}` in #[idempotent(..)]; the valid keys are {KEYS}"
+                            "unknown key `{key}` in #[idempotent(..)]{hint}; the valid keys are {KEYS}"
                         ),
                     );
                     if meta.input.peek(Token![=]) {
@@ -200,6 +274,12 @@ impl Idempotent {
         });
         if let Err(err) = parser.parse2(args) {
             errors.push(err);
+        }
+        if let Some(ty) = not_a_result(&func.sig.output) {
+            errors.push_at(
+                ty,
+                "an #[idempotent] fn returns `Result<T, E>`: the `T` is the response stored and replayed under the key, and `E` carries idem's errors (`From<idem::IdempotencyError>`)",
+            );
         }
         if let Some(op) = &out.operation {
             if op.value().is_empty() {

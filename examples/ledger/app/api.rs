@@ -1,0 +1,188 @@
+//! The HTTP API.
+//!
+//! | method and path | headers | answers |
+//! |---|---|---|
+//! | `POST /accounts` `{"currency","metadata"?}` | `Idempotency-Key` optional | 201 account, `ETag` |
+//! | `GET /accounts/{id}` | | 200 account, `ETag` |
+//! | `PATCH /accounts/{id}` `{"metadata"}` | `If-Match` required | 200 account, `ETag`; 412 stale; 428 missing |
+//! | `POST /accounts/{id}/top-ups` `{"amount","currency"}` | `Idempotency-Key` required | 201 movement |
+//! | `POST /transfers` `{"from_account","to_account","amount","currency"}` | `Idempotency-Key` required | 201 movement |
+//!
+//! Every request acts in the tenant of its `X-Tenant-Id` header (default 1).
+//! Errors are `application/problem+json`; a replay answers the first status
+//! and body with `Idempotent-Replayed: true`.
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
+use axum::http::request::Parts;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use idem::http::{problem_type, IdempotencyKey, IdempotentResponse, IfMatch, Problem, WithETag};
+use idem::pool::Pool;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+use super::ops::{self, LedgerError, Movement, NewAccountRequest, TopUpRequest, TransferRequest};
+use super::schema::Account;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    pub pool: Pool,
+}
+
+/// The ledger's routes over `pool`.
+pub fn router(pool: Pool) -> Router {
+    Router::new()
+        .route("/accounts", post(open_account))
+        .route("/accounts/{id}", get(get_account).patch(patch_account))
+        .route("/accounts/{id}/top-ups", post(top_up))
+        .route("/transfers", post(transfer))
+        .with_state(AppState { pool })
+}
+
+async fn open_account(
+    State(app): State<AppState>,
+    Tenant(tenant): Tenant,
+    key: Option<IdempotencyKey>,
+    Body(req): Body<NewAccountRequest>,
+) -> Result<Response, LedgerError> {
+    let created = match key {
+        Some(key) => ops::open_account_once(&app.pool, tenant, &key, &req).await?,
+        None => idem::Idempotent {
+            value: ops::open_account(&app.pool, tenant, &req).await?,
+            replayed: false,
+        },
+    };
+    let version = created.value.body.version;
+    Ok(WithETag(version, IdempotentResponse::from(created)).into_response())
+}
+
+async fn get_account(
+    State(app): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<i64>,
+) -> Result<WithETag<Json<Account>>, LedgerError> {
+    let mut conn = app.pool.get().await.map_err(idem::RetryError::from)?;
+    let account = ops::account(&mut conn, tenant, id).await?;
+    Ok(WithETag(account.version, Json(account)))
+}
+
+#[derive(Deserialize)]
+struct PatchAccount {
+    metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+async fn patch_account(
+    State(app): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<i64>,
+    if_match: IfMatch,
+    Body(patch): Body<PatchAccount>,
+) -> Result<WithETag<Json<Account>>, LedgerError> {
+    let metadata = serde_json::Value::Object(patch.metadata);
+    let account = ops::set_metadata(&app.pool, tenant, id, if_match.version(), &metadata).await?;
+    Ok(WithETag(account.version, Json(account)))
+}
+
+async fn top_up(
+    State(app): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<i64>,
+    key: IdempotencyKey,
+    Body(req): Body<TopUpRequest>,
+) -> Result<IdempotentResponse<idem::http::StoredResponse<Movement>>, LedgerError> {
+    Ok(ops::top_up(&app.pool, tenant, &key, id, &req).await?.into())
+}
+
+async fn transfer(
+    State(app): State<AppState>,
+    Tenant(tenant): Tenant,
+    key: IdempotencyKey,
+    Body(req): Body<TransferRequest>,
+) -> Result<IdempotentResponse<idem::http::StoredResponse<Movement>>, LedgerError> {
+    Ok(ops::transfer(&app.pool, tenant, &key, &req).await?.into())
+}
+
+impl IntoResponse for LedgerError {
+    fn into_response(self) -> Response {
+        match self {
+            LedgerError::Declined { reason, replayed } => IdempotentResponse {
+                response: reason.problem(),
+                replayed,
+            }
+            .into_response(),
+            LedgerError::Precondition(e) | LedgerError::Versioned(e) => {
+                Problem::from(e).into_response()
+            }
+            LedgerError::Idem(e) => Problem::from(e).into_response(),
+            LedgerError::Retry(e) => Problem::from(e).into_response(),
+            LedgerError::Db(e) => {
+                eprintln!("ledger: database error answered with 500: {e}");
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    problem_type::INTERNAL,
+                    "Internal error",
+                    "the server failed to handle the request; the details are in its log",
+                )
+                .into_response()
+            }
+        }
+    }
+}
+
+/// The tenant a request acts in: the `X-Tenant-Id` header, 1 when absent.
+/// (A real service takes it from the authenticated caller.)
+pub struct Tenant(pub i64);
+
+impl<S: Send + Sync> FromRequestParts<S> for Tenant {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Problem> {
+        let Some(value) = parts.headers.get("x-tenant-id") else {
+            return Ok(Tenant(1));
+        };
+        value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .map(Tenant)
+            .ok_or_else(|| {
+                Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "urn:ledger:problem:invalid-tenant",
+                    "Invalid tenant",
+                    "X-Tenant-Id must be an integer",
+                )
+            })
+    }
+}
+
+/// A JSON body whose rejections are problems too.
+pub struct Body<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = Problem;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Problem> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(Body(value)),
+            Err(rejection) => Err(invalid_body(&rejection)),
+        }
+    }
+}
+
+fn invalid_body(rejection: &JsonRejection) -> Problem {
+    let status = match rejection {
+        JsonRejection::MissingJsonContentType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    Problem::new(
+        status,
+        "urn:ledger:problem:invalid-body",
+        "Invalid request body",
+        rejection.body_text(),
+    )
+}

@@ -1,0 +1,6 @@
+//! The ledger service: shared by `examples/ledger.rs` and the ledger tests.
+
+pub mod admin;
+pub mod api;
+pub mod ops;
+pub mod schema;
