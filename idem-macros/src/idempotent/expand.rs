@@ -174,11 +174,16 @@ pub(crate) fn idempotent(
                 };
                 let #result: ::core::result::Result<::core::result::Result<::idem::Idempotent<#ok_ty>, #err_ty>, #err_ty> =
                     #retry_loop.scope(#request.scope_key(async {
-                        // A replay commits (nothing was written); a refusal or a
-                        // conflict is an error, so the loop rolls back and, for a
-                        // conflict, replays the claim.
+                        // A replay (stored success or final error) wrote nothing
+                        // and answers at once; a refusal or a conflict is an
+                        // error, so the loop rolls back and, for a conflict,
+                        // replays the claim.
                         if let ::idem::__private::Lookup::Done(#outcome) = #request.claim_local::<#ok_ty, #err_ty>(&mut #attempt).await {
-                            return #outcome.map(::core::result::Result::Ok);
+                            return if #attempt.is_read_only() {
+                                ::core::result::Result::Ok(#outcome)
+                            } else {
+                                #outcome.map(::core::result::Result::Ok)
+                            };
                         }
                         let #outcome = #run;
                         #request.record_local(&mut #attempt, #outcome).map(::core::result::Result::Ok)

@@ -13,13 +13,13 @@ use diesel_async::{
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::store::{self, idem_requests, Claim, Read, Record};
+use super::store::{self, idem_requests, Claim, ClaimOrRead, Read, Record};
 use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, IdempotencyError, Idempotent,
     IdempotentError, Mode, CURRENT_KEY,
 };
 use crate::pool::Pool;
-use crate::retry::{Attempt, PreCommit};
+use crate::retry::{Attempt, PreCommit, PreCommitStep};
 
 /// One idempotent request: its key space, key, operation and fingerprint,
 /// validated before anything is written.
@@ -202,34 +202,20 @@ impl Request {
     ) -> Lookup<T, E> {
         let begin = attempt.take_deferred_begin();
         let conn: &AsyncPgConnection = attempt.conn();
-        let read = self.read_query();
-        let claim = self.claim();
-        let warm_up = Record {
-            scope: "",
-            key: "",
-            outcome: store::OK,
-            response: &serde_json::Value::Null,
-        };
-        let (mut begin_conn, mut read_conn, mut claim_conn, mut warm_conn) =
-            (conn, conn, conn, conn);
+        let claim = ClaimOrRead(self.claim());
+        let (mut begin_conn, mut claim_conn) = (conn, conn);
         // Polled in this order, so sent in this order: BEGIN first.
-        let (begun, seen, claimed, warmed) = tokio::join!(
+        let (begun, claimed) = tokio::join!(
             async {
                 match begin {
                     Some(sql) => begin_conn.batch_execute(sql).await,
                     None => Ok(()),
                 }
             },
-            read.get_result::<Stored>(&mut read_conn),
-            claim.get_result::<bool>(&mut claim_conn),
-            warm_up.execute(&mut warm_conn),
+            claim.get_result::<ClaimedOrSeen>(&mut claim_conn),
         );
-        let outcome = begun
-            .and(seen.optional())
-            .and_then(|seen| claimed.optional().map(|claimed| (seen, claimed)))
-            .and_then(|both| warmed.map(|_| both));
-        let (seen, claimed) = match outcome {
-            Ok(both) => both,
+        let (claimed, seen) = match begun.and(claimed) {
+            Ok(row) => row.split(),
             Err(e) => return Lookup::Done(Err(E::from(IdempotencyError::Database(e)))),
         };
         if claimed.is_some() {
@@ -240,11 +226,11 @@ impl Request {
         if let Some(stored) = seen {
             match self.judge(stored) {
                 Found::New => {}
-                found => return found.into_lookup(),
+                found => return found.into_local_lookup(attempt),
             }
         }
         match self.read(attempt.conn()).await {
-            Ok(Some(stored)) => self.judge(stored).into_lookup(),
+            Ok(Some(stored)) => self.judge(stored).into_local_lookup(attempt),
             // The owner's record vanished between the two statements (it
             // expired and was purged): a conflict the retry loop replays.
             Ok(None) => Lookup::Done(Err(E::from(IdempotencyError::Database(
@@ -270,7 +256,14 @@ impl Request {
     ) -> Result<Idempotent<T>, E> {
         let value = outcome?;
         let response = self.response(&value).map_err(E::from)?;
-        attempt.before_commit(self.record(store::OK, response));
+        // In the COMMIT's own query: no round trip, and nothing to prepare
+        // that the COMMIT could overtake. The claim row is this transaction's
+        // own, so the UPDATE cannot miss it.
+        attempt.before_commit(PreCommitStep::Sql(record_sql(
+            &self.scope,
+            &self.key,
+            &response,
+        )));
         Ok(Idempotent {
             value,
             replayed: false,
@@ -361,7 +354,7 @@ impl Request {
         value: T,
     ) -> Result<Idempotent<T>, E> {
         let response = self.response(&value).map_err(E::from)?;
-        attempt.before_commit(self.record(store::OK, response));
+        attempt.before_commit(PreCommitStep::Statement(self.record(store::OK, response)));
         Ok(Idempotent {
             value,
             replayed: false,
@@ -497,6 +490,61 @@ fn replay<T: DeserializeOwned, E: IdempotentError>(
     }
 }
 
+/// The local-mode record of a completed request, as SQL text.
+///
+/// Every value is dollar-quoted with a tag that does not occur in it (nor
+/// straddles its end), so the quoted string means exactly the value: there is
+/// no escaping to get wrong, whatever the key, scope or response contain.
+fn record_sql(scope: &str, key: &str, response: &serde_json::Value) -> String {
+    format!(
+        "UPDATE idem_requests SET state = 'completed', outcome = 'ok', response = {}::jsonb, \
+         updated_at = now(), lease_until = NULL WHERE scope = {} AND key = {} AND state <> 'completed'",
+        dollar_quote(&response.to_string()),
+        dollar_quote(scope),
+        dollar_quote(key),
+    )
+}
+
+fn dollar_quote(value: &str) -> String {
+    (0u64..)
+        .map(|n| format!("$idem{n}$"))
+        .find(|tag| format!("{value}{tag}").find(tag.as_str()) == Some(value.len()))
+        .map(|tag| format!("{tag}{value}{tag}"))
+        .expect("some tag is absent from any finite string")
+}
+
+/// The row [`ClaimOrRead`] returns: whether the claim inserted, and the
+/// record it saw, if any.
+#[derive(Queryable)]
+struct ClaimedOrSeen {
+    claimed: Option<bool>,
+    operation: Option<String>,
+    fingerprint: Option<Vec<u8>>,
+    state: Option<String>,
+    outcome: Option<String>,
+    response: Option<serde_json::Value>,
+    lease_expired: Option<bool>,
+    expired: Option<bool>,
+}
+
+impl ClaimedOrSeen {
+    fn split(self) -> (Option<bool>, Option<Stored>) {
+        let seen = match (self.operation, self.fingerprint, self.state, self.expired) {
+            (Some(operation), Some(fingerprint), Some(state), Some(expired)) => Some(Stored {
+                operation,
+                fingerprint,
+                state,
+                outcome: self.outcome,
+                response: self.response,
+                lease_expired: self.lease_expired,
+                expired,
+            }),
+            _ => None,
+        };
+        (self.claimed, seen)
+    }
+}
+
 /// What a record means for a request, before it is turned into the caller's error type.
 enum Found {
     New,
@@ -505,6 +553,17 @@ enum Found {
 }
 
 impl Found {
+    /// A replay wrote nothing: its attempt can end in the background.
+    fn into_local_lookup<T: DeserializeOwned, E: IdempotentError>(
+        self,
+        attempt: &mut Attempt,
+    ) -> Lookup<T, E> {
+        if let Found::Replay(..) = self {
+            attempt.mark_read_only();
+        }
+        self.into_lookup()
+    }
+
     fn into_lookup<T: DeserializeOwned, E: IdempotentError>(self) -> Lookup<T, E> {
         match self {
             Found::New => Lookup::New,
@@ -611,4 +670,34 @@ pub async fn settle(
         Settlement::Released => diesel::delete(target).execute(conn).await?,
     };
     Ok(n == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dollar_quote;
+
+    /// What PostgreSQL reads back from a dollar-quoted literal: the text up to
+    /// the first occurrence of the closing tag.
+    fn unquote(quoted: &str) -> &str {
+        let tag_end = quoted[1..].find('$').expect("opening tag") + 2;
+        let tag = &quoted[..tag_end];
+        let body = &quoted[tag_end..];
+        &body[..body.find(tag).expect("closing tag")]
+    }
+
+    #[test]
+    fn dollar_quoting_round_trips_whatever_the_text() {
+        for value in [
+            "",
+            "plain",
+            "it's \"quoted\" \\ back",
+            "$idem0$",
+            "ends with $idem0",
+            "ends with $idem0$idem1",
+            "$$ $idem1$ $idem0$ $",
+            "'; DROP TABLE idem_requests; --",
+        ] {
+            assert_eq!(unquote(&dollar_quote(value)), value, "{value:?}");
+        }
+    }
 }

@@ -53,7 +53,19 @@ pub(crate) struct Claim<'a> {
 }
 
 impl QueryFragment<Pg> for Claim<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+    fn walk_ast<'b>(&'b self, out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        self.walk_insert(out, false)
+    }
+}
+
+impl Claim<'_> {
+    /// The INSERT; `live_in_cte`: the live-record test reads the `seen` CTE
+    /// of [`ClaimOrRead`] instead of the table.
+    fn walk_insert<'b>(
+        &'b self,
+        mut out: AstPass<'_, 'b, Pg>,
+        live_in_cte: bool,
+    ) -> QueryResult<()> {
         out.push_sql(
             "INSERT INTO idem_requests AS r \
              (scope, key, operation, fingerprint, mode, state, expires_at, lease_until) SELECT ",
@@ -71,15 +83,22 @@ impl QueryFragment<Pg> for Claim<'_> {
         out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
         out.push_sql(" * interval '1 microsecond', now() + ");
         out.push_bind_param::<Nullable<BigInt>, _>(&self.lease_micros)?;
+        if live_in_cte {
+            out.push_sql(
+                " * interval '1 microsecond' WHERE NOT EXISTS (SELECT FROM seen l WHERE \
+                 (l.state <> 'completed' OR NOT l.expired))",
+            );
+        } else {
+            out.push_sql(
+                " * interval '1 microsecond' WHERE NOT EXISTS (SELECT FROM idem_requests l WHERE l.scope = ",
+            );
+            out.push_bind_param::<Text, _>(self.scope)?;
+            out.push_sql(" AND l.key = ");
+            out.push_bind_param::<Text, _>(self.key)?;
+            out.push_sql(" AND (l.state <> 'completed' OR l.expires_at > now()))");
+        }
         out.push_sql(
-            " * interval '1 microsecond' WHERE NOT EXISTS (SELECT FROM idem_requests l WHERE l.scope = ",
-        );
-        out.push_bind_param::<Text, _>(self.scope)?;
-        out.push_sql(" AND l.key = ");
-        out.push_bind_param::<Text, _>(self.key)?;
-        out.push_sql(
-            " AND (l.state <> 'completed' OR l.expires_at > now())) \
-             ON CONFLICT (scope, key) DO UPDATE SET operation = excluded.operation, \
+            " ON CONFLICT (scope, key) DO UPDATE SET operation = excluded.operation, \
              fingerprint = excluded.fingerprint, mode = excluded.mode, state = 'in_progress', \
              outcome = NULL, response = NULL, created_at = now(), updated_at = now(), \
              expires_at = excluded.expires_at, lease_until = excluded.lease_until \
@@ -87,6 +106,46 @@ impl QueryFragment<Pg> for Claim<'_> {
         );
         Ok(())
     }
+}
+
+/// The claim and the read of the record it met, in one statement (one
+/// statement less per request than a read beside the claim). Both see the
+/// statement's snapshot: a record committed after it began is not `seen`, and
+/// the caller reads again when the claim neither inserted nor saw a record.
+pub(crate) struct ClaimOrRead<'a>(pub(crate) Claim<'a>);
+
+impl QueryFragment<Pg> for ClaimOrRead<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "WITH seen AS (SELECT operation, fingerprint, state, outcome, response, \
+             lease_until < now() AS lease_expired, expires_at <= now() AS expired \
+             FROM idem_requests WHERE scope = ",
+        );
+        out.push_bind_param::<Text, _>(self.0.scope)?;
+        out.push_sql(" AND key = ");
+        out.push_bind_param::<Text, _>(self.0.key)?;
+        out.push_sql("), claimed AS (");
+        self.0.walk_insert(out.reborrow(), true)?;
+        out.push_sql(
+            " AS ok) SELECT (SELECT ok FROM claimed), seen.operation, seen.fingerprint, seen.state, \
+             seen.outcome, seen.response, seen.lease_expired, seen.expired \
+             FROM (SELECT 1) AS one LEFT JOIN seen ON true",
+        );
+        Ok(())
+    }
+}
+
+impl Query for ClaimOrRead<'_> {
+    type SqlType = (
+        Nullable<Bool>,
+        Nullable<Text>,
+        Nullable<diesel::sql_types::Bytea>,
+        Nullable<Text>,
+        Nullable<Text>,
+        Nullable<Jsonb>,
+        Nullable<Bool>,
+        Nullable<Bool>,
+    );
 }
 
 /// Store the outcome of the request that owns the key.
@@ -152,7 +211,7 @@ macro_rules! cacheable_by_sql {
         }
     )*};
 }
-cacheable_by_sql!(Claim, Record, Read);
+cacheable_by_sql!(Claim, ClaimOrRead, Record, Read);
 
 impl Query for Claim<'_> {
     type SqlType = Bool;

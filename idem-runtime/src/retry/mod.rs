@@ -28,8 +28,8 @@ use std::time::Duration;
 
 pub(crate) use classify::is_in_failed_transaction;
 pub use classify::{RetryCause, Transient};
-pub(crate) use run::PreCommit;
 pub use run::{retry, Attempt, RetryLoop};
+pub(crate) use run::{PreCommit, PreCommitStep};
 
 /// The isolation level each attempt's transaction begins with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -107,7 +107,20 @@ pub struct Attempt {
     /// the same round trip (see [`RetryLoop::begin_deferred`]).
     deferred_begin: Option<&'static str>,
     /// A statement sent in the same round trip as `COMMIT`.
-    pre_commit: Option<Box<dyn PreCommit>>,
+    pre_commit: Option<PreCommitStep>,
+    /// The attempt only read (an idempotent replay): its transaction is
+    /// ended in the background and the caller answered at once.
+    read_only: bool,
+}
+
+/// Work that must commit with the attempt.
+pub(crate) enum PreCommitStep {
+    /// SQL text sent in the same simple query as `COMMIT`, so it costs no
+    /// round trip and cannot be overtaken by it. It must fail in a
+    /// transaction that saw a failed statement (any statement does: 25P02).
+    Sql(String),
+    /// A statement awaited before `COMMIT` (one more round trip).
+    Statement(Box<dyn PreCommit>),
 }
 
 /// A statement that must commit with the attempt, pipelined with `COMMIT`.
@@ -136,8 +149,20 @@ impl Attempt {
     }
 
     /// Send `statement` in the same round trip as the attempt's `COMMIT`.
-    pub(crate) fn before_commit(&mut self, statement: Box<dyn PreCommit>) {
-        self.pre_commit = Some(statement);
+    pub(crate) fn before_commit(&mut self, step: PreCommitStep) {
+        self.pre_commit = Some(step);
+    }
+
+    /// Mark the attempt as one that wrote nothing and answers from what it
+    /// read: its transaction ends in the background after the answer.
+    pub(crate) fn mark_read_only(&mut self) {
+        self.read_only = true;
+    }
+
+    /// Whether [`Attempt::mark_read_only`] was called.
+    #[doc(hidden)]
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
     }
 
     /// Close the connection instead of returning it to the pool.
@@ -232,6 +257,7 @@ impl<'p> RetryLoop<'p> {
                 open: false,
                 deferred_begin: None,
                 pre_commit: None,
+                read_only: false,
             };
             let begin = AnsiTransactionManager::begin_transaction_sql(
                 attempt.conn(),
@@ -277,6 +303,7 @@ impl<'p> RetryLoop<'p> {
             open: true,
             deferred_begin: Some(self.policy.isolation.begin_sql()),
             pre_commit: None,
+            read_only: false,
         };
         // diesel must believe the transaction is open, so that a nested
         // `conn.transaction()` in the body becomes a savepoint.
@@ -321,6 +348,10 @@ impl<'p> RetryLoop<'p> {
         E: Transient + From<RetryError>,
     {
         let cause = match result {
+            Ok(value) if attempt.read_only => {
+                end_in_background(attempt);
+                return self.done(Ok(value), "read_only");
+            }
             Ok(value) => match self.commit(&mut attempt).await {
                 Ok(()) => return self.done(Ok(value), "committed"),
                 Err(CommitFailure::Unknown) => {
@@ -399,19 +430,18 @@ impl<'p> RetryLoop<'p> {
 
     async fn commit(&self, attempt: &mut Attempt) -> Result<(), CommitFailure> {
         let pre_commit = attempt.pre_commit.take();
-        let conn: &AsyncPgConnection = attempt.conn();
-        let mut commit_conn = conn;
+        let conn: &mut AsyncPgConnection = attempt.conn();
         let both = async move {
             match pre_commit {
-                None => commit_conn.batch_execute(COMMIT_IF_HEALTHY).await,
-                // Pipelined: if the statement fails, `SELECT 1` fails with 25P02
-                // and the server skips the COMMIT.
-                Some(statement) => {
-                    let (stored, committed) = tokio::join!(
-                        statement.run(conn),
-                        commit_conn.batch_execute(COMMIT_IF_HEALTHY)
-                    );
-                    stored.and(committed)
+                None => conn.batch_execute(COMMIT_IF_HEALTHY).await,
+                Some(PreCommitStep::Sql(sql)) => {
+                    conn.batch_execute(&format!("{sql}; COMMIT")).await
+                }
+                // Awaited first: a statement still to be prepared would
+                // otherwise be overtaken by the COMMIT.
+                Some(PreCommitStep::Statement(statement)) => {
+                    statement.run(&*conn).await?;
+                    conn.batch_execute(COMMIT_IF_HEALTHY).await
                 }
             }
         };
@@ -473,6 +503,27 @@ impl<'p> RetryLoop<'p> {
                 attempt.discard();
             }
         }
+    }
+}
+
+/// End a read-only attempt's transaction without making the caller wait: the
+/// connection goes back to the pool once `ROLLBACK` is answered, or is closed
+/// when that fails. Nothing was written, so nothing can be lost.
+fn end_in_background(mut attempt: Attempt) {
+    let Some(mut conn) = attempt.conn.take() else {
+        return;
+    };
+    attempt.open = false;
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(async move {
+                let rolled_back = AnsiTransactionManager::rollback_transaction(&mut *conn).await;
+                if rolled_back.is_err() || in_transaction(&mut conn) != Some(false) {
+                    drop(Object::take(conn));
+                }
+            });
+        }
+        Err(_) => drop(Object::take(conn)),
     }
 }
 
