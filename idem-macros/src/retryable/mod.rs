@@ -28,8 +28,10 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
             syn::Meta::List(list) => list.tokens.clone(),
             _ => TokenStream::new(),
         };
+        // The user's own path, so their `use idem::idempotent` counts as used.
+        let inner_path = inner.path();
         return quote::quote! {
-            #[::idem::idempotent(#inner_args)]
+            #[#inner_path(#inner_args)]
             #[::idem::retryable(#args)]
             #func
         };

@@ -2,7 +2,7 @@
 
 use diesel_async::AsyncPgConnection;
 use idem::{
-    retryable, IdempotencyError, Idempotent, IdempotentError, NoFinalErrors, Pool, RetryCause,
+    idempotent, retryable, IdempotencyError, Idempotent, IdempotentError, NoFinalErrors, Pool, RetryCause,
     RetryError, Transient,
 };
 
@@ -57,11 +57,10 @@ pub struct PaymentCmd {
     pub currency: String,
 }
 
-// The other order means the same. (Written with its path: #[retryable]
-// re-emits the inner attribute as `::idem::idempotent`, so an imported
-// `idempotent` would be reported as an unused import.)
+// The other order means the same, and the imported `idempotent` counts as used
+// (regression: #[retryable] re-emitted it as `::idem::idempotent`).
 #[retryable(max = 4, deadline_ms = 800)]
-#[idem::idempotent(key = cmd.key, fingerprint(cmd.amount, cmd.currency))]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount, cmd.currency))]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)
