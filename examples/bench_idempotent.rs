@@ -19,8 +19,12 @@
 //! `bare_us=.. local_us=.. external_us=.. replay_us=.. local_ratio=.. replay_ratio=..`
 //! (medians in µs; ratios of the local and replay medians to the bare one).
 
+#[path = "common/bench.rs"]
+mod bench;
 #[path = "common/mod.rs"]
 mod common;
+
+use bench::{parse_args, percentile_us};
 
 use std::time::{Duration, Instant};
 
@@ -184,36 +188,6 @@ async fn pay_external(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<
     write_payment(conn, cmd).await
 }
 
-struct Args {
-    iterations: usize,
-    warmup: usize,
-}
-
-fn parse_args() -> Args {
-    let mut args = Args {
-        iterations: 2000,
-        warmup: 200,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((name, value)) => (name.to_owned(), Some(value.to_owned())),
-            None => (arg, None),
-        };
-        let slot = match name.as_str() {
-            "--iterations" => &mut args.iterations,
-            "--warmup" => &mut args.warmup,
-            other => panic!("unknown argument {other:?}; usage: [--iterations N] [--warmup N]"),
-        };
-        let value = inline.or_else(|| it.next());
-        *slot = value
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{name} needs a number"));
-    }
-    assert!(args.iterations > 0, "--iterations must be positive");
-    args
-}
-
 /// One pool of one connection per contender, so none reuses another's
 /// prepared statements or waits behind its traffic.
 struct Contenders {
@@ -264,12 +238,6 @@ impl Contenders {
         assert_eq!(replayed, which == 3, "{} replayed={replayed}", NAMES[which]);
         elapsed
     }
-}
-
-/// Nearest-rank percentile of sorted samples, in µs.
-fn percentile_us(sorted: &[Duration], p: f64) -> f64 {
-    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1].as_secs_f64() * 1e6
 }
 
 async fn reset_scope(conn: &mut AsyncPgConnection) -> QueryResult<usize> {

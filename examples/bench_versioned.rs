@@ -19,8 +19,12 @@
 //! `versioned_us=.. diesel_us=.. raw_us=.. ratio_vs_diesel=.. ratio_vs_raw=..`
 //! (medians in µs; ratios of the versioned median to the others').
 
+#[path = "common/bench.rs"]
+mod bench;
 #[path = "common/mod.rs"]
 mod common;
+
+use bench::{parse_args, percentile_us};
 
 use std::time::{Duration, Instant};
 
@@ -83,36 +87,6 @@ struct PreparedStatement {
 
 const TENANT: i64 = 1;
 const NAMES: [&str; 3] = ["versioned", "diesel", "raw"];
-
-struct Args {
-    iterations: usize,
-    warmup: usize,
-}
-
-fn parse_args() -> Args {
-    let mut args = Args {
-        iterations: 2000,
-        warmup: 200,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((name, value)) => (name.to_owned(), Some(value.to_owned())),
-            None => (arg, None),
-        };
-        let slot = match name.as_str() {
-            "--iterations" => &mut args.iterations,
-            "--warmup" => &mut args.warmup,
-            other => panic!("unknown argument {other:?}; usage: [--iterations N] [--warmup N]"),
-        };
-        let value = inline.or_else(|| it.next());
-        *slot = value
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{name} needs a number"));
-    }
-    assert!(args.iterations > 0, "--iterations must be positive");
-    args
-}
 
 /// Three connections, one per contender, so no contender reuses another's
 /// prepared statements or waits behind its traffic.
@@ -206,12 +180,6 @@ async fn prepared_updates(conn: &mut AsyncPgConnection) -> usize {
         .iter()
         .filter(|p| p.statement.trim_start().starts_with("UPDATE"))
         .count()
-}
-
-/// Nearest-rank percentile of sorted samples, in µs.
-fn percentile_us(sorted: &[Duration], p: f64) -> f64 {
-    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1].as_secs_f64() * 1e6
 }
 
 #[tokio::main]
