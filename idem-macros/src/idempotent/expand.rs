@@ -123,6 +123,12 @@ pub(crate) fn idempotent(
         None => quote!(::core::option::Option::None),
     };
     let scope = match &parsed.scope {
+        // A tuple of borrowed fields (`(ctx.user, ctx.conversation)`) is
+        // serialized from references, so it needs no Copy or Clone.
+        Some(syn::Expr::Tuple(tuple)) => {
+            let elems = tuple.elems.iter();
+            quote!(&(#(&(#elems),)*))
+        }
         Some(expr) => quote!(&(#expr)),
         None => quote!(&()),
     };

@@ -60,10 +60,13 @@ pub struct PaymentCmd {
 pub struct Ctx {
     pub tenant_id: i64,
     pub user_id: i64,
+    // Not Copy: the scope tuple borrows it (regression: `(ctx.tenant_id,
+    // ctx.conversation)` tried to move the String out of `&Ctx`).
+    pub conversation: String,
 }
 
 // A key space per (tenant, user); a by-value parameter used only in the scope.
-#[idempotent(key = cmd.key, scope = (ctx.tenant_id, ctx.user_id, region), fingerprint(cmd.amount, cmd.currency))]
+#[idempotent(key = cmd.key, scope = (ctx.tenant_id, ctx.user_id, ctx.conversation, region), fingerprint(cmd.amount, cmd.currency))]
 async fn pay(
     conn: &mut AsyncPgConnection,
     ctx: &Ctx,
@@ -80,6 +83,7 @@ async fn caller(pool: &Pool, cmd: &PaymentCmd) -> Result<Idempotent<i64>, AppErr
         &Ctx {
             tenant_id: 1,
             user_id: 2,
+            conversation: "c-1".to_owned(),
         },
         3,
         cmd,
