@@ -47,3 +47,6 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

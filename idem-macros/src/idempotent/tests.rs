@@ -1,0 +1,131 @@
+//! What `#[idempotent]` writes, as a reviewer would read it (insta snapshots of
+//! the pretty-printed expansion), and how it reports mistakes.
+//!
+//! Accept changed snapshots with `INSTA_UPDATE=always cargo test -p idem-macros`
+//! (or `cargo insta review`), then read the `.snap` files that changed.
+
+use proc_macro2::TokenStream;
+use quote::quote;
+
+use super::idempotent;
+
+/// The expansion as formatted source; panics with the tokens if it does not parse.
+fn pretty(tokens: TokenStream) -> String {
+    match syn::parse_file(&tokens.to_string()) {
+        Ok(file) => prettyplease::unparse(&file),
+        Err(err) => panic!("the expansion is not valid Rust ({err}):\n{tokens}"),
+    }
+}
+
+/// The `compile_error!` messages of an expansion, in order, and the functions
+/// it still emits.
+fn errors_and_fns(tokens: TokenStream) -> (Vec<String>, Vec<syn::ItemFn>) {
+    let file: syn::File = match syn::parse2(tokens.clone()) {
+        Ok(file) => file,
+        Err(err) => panic!("the expansion is not valid Rust ({err}):\n{tokens}"),
+    };
+    let mut errors = Vec::new();
+    let mut fns = Vec::new();
+    for item in file.items {
+        match item {
+            syn::Item::Macro(m)
+                if m.mac
+                    .path
+                    .segments
+                    .last()
+                    .is_some_and(|s| s.ident == "compile_error") =>
+            {
+                let message: syn::LitStr = m.mac.parse_body().unwrap();
+                errors.push(message.value());
+            }
+            syn::Item::Fn(f) => fns.push(f),
+            other => panic!("unexpected item in the expansion: {}", quote!(#other)),
+        }
+    }
+    (errors, fns)
+}
+
+#[test]
+fn local_mode_over_retryable() {
+    let out = idempotent(
+        quote!(
+            key = cmd.idempotency_key,
+            scope = ctx.tenant_id,
+            fingerprint(cmd.amount, cmd.currency)
+        ),
+        quote! {
+            /// Creates a payment once per key.
+            #[retryable(max = 4, deadline_ms = 800)]
+            pub async fn create_payment(
+                conn: &mut AsyncPgConnection,
+                ctx: &Ctx,
+                cmd: &PaymentCmd,
+            ) -> Result<Payment, AppError> {
+                let payment = insert_payment(conn, ctx, cmd).await?;
+                Ok(payment)
+            }
+        },
+    );
+    insta::assert_snapshot!(pretty(out));
+}
+
+#[test]
+fn external_mode_with_derived_key_and_scope_tuple() {
+    let out = idempotent(
+        quote!(
+            mode = external,
+            scope = (ctx.tenant_id, ctx.user_id),
+            fingerprint(amount, cmd.merchant),
+            operation = "payments.charge",
+            lease_ms = 5000
+        ),
+        quote! {
+            async fn charge(
+                conn: &mut AsyncPgConnection,
+                ctx: &Ctx,
+                amount: Money,
+                cmd: &ChargeCmd,
+            ) -> Result<ChargeId, AppError> {
+                gateway::charge(&cmd.merchant, &ctx.card).await
+            }
+        },
+    );
+    insta::assert_snapshot!(pretty(out));
+}
+
+#[test]
+fn a_broken_attribute_reports_every_mistake_and_keeps_the_fn() {
+    let out = idempotent(
+        quote!(
+            key = cmd.key,
+            fingerprint(conn, amount, cmd.amount),
+            mode = sometimes,
+            ttl = 60,
+            lease_ms = 0
+        ),
+        quote! {
+            #[retryable(max = 0)]
+            async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
+                Ok(cmd.amount)
+            }
+        },
+    );
+    let (errors, fns) = errors_and_fns(out);
+    assert_eq!(
+        errors,
+        [
+            "`max = 0` would never run the body; the first attempt counts, so use at least 1",
+            "`conn` is the connection; fingerprint(..) names the request's parameters or their fields",
+            "`amount` is not a parameter of `pay`; fingerprint(..) names parameters or their fields (`cmd`)",
+            "`mode` is `local` (every effect is in this database; the default) or `external` (the body calls another system)",
+            "unknown key `ttl` in #[idempotent(..)] (did you mean `ttl_s`?); the valid keys are `key`, `scope`, `fingerprint(..)`, `operation`, `mode`, `ttl_s`, `lease_ms`, `wait_ms`, `max_response_bytes` and `config`",
+            "`lease_ms = 0`: a lease of 0 ms runs out at once, so every external request would be reported as outcome unknown; give a number above 0, e.g. `lease_ms = 30000`",
+        ]
+    );
+    // The function as written, its #[retryable] still on it.
+    assert_eq!(fns.len(), 1, "{errors:?}");
+    let func = &fns[0];
+    assert_eq!(func.sig.ident, "pay");
+    let attrs: Vec<String> = func.attrs.iter().map(|a| quote!(#a).to_string()).collect();
+    assert_eq!(attrs, ["# [retryable (max = 0)]"]);
+}

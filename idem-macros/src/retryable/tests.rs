@@ -1,0 +1,127 @@
+//! What `#[retryable]` writes, as a reviewer would read it (insta snapshots of
+//! the pretty-printed expansion), and how it reports mistakes.
+//!
+//! Accept changed snapshots with `INSTA_UPDATE=always cargo test -p idem-macros`
+//! (or `cargo insta review`), then read the `.snap` files that changed.
+
+use proc_macro2::TokenStream;
+use quote::quote;
+
+use super::retryable;
+
+/// The expansion as formatted source; panics with the tokens if it does not parse.
+fn pretty(tokens: TokenStream) -> String {
+    match syn::parse_file(&tokens.to_string()) {
+        Ok(file) => prettyplease::unparse(&file),
+        Err(err) => panic!("the expansion is not valid Rust ({err}):\n{tokens}"),
+    }
+}
+
+/// The `compile_error!` messages of an expansion, in order, and the names of
+/// the functions it still emits.
+fn errors_and_fns(tokens: TokenStream) -> (Vec<String>, Vec<String>) {
+    let file: syn::File = match syn::parse2(tokens.clone()) {
+        Ok(file) => file,
+        Err(err) => panic!("the expansion is not valid Rust ({err}):\n{tokens}"),
+    };
+    let mut errors = Vec::new();
+    let mut fns = Vec::new();
+    for item in file.items {
+        match item {
+            syn::Item::Macro(m)
+                if m.mac
+                    .path
+                    .segments
+                    .last()
+                    .is_some_and(|s| s.ident == "compile_error") =>
+            {
+                let message: syn::LitStr = m.mac.parse_body().unwrap();
+                errors.push(message.value());
+            }
+            syn::Item::Fn(f) => fns.push(f.sig.ident.to_string()),
+            other => panic!("unexpected item in the expansion: {}", quote!(#other)),
+        }
+    }
+    (errors, fns)
+}
+
+#[test]
+fn free_fn_with_every_setting_kind() {
+    let out = retryable(
+        quote!(
+            max = 5,
+            deadline_ms = 1200,
+            isolation = serializable,
+            on_conflict = lock
+        ),
+        quote! {
+            /// Moves money.
+            pub async fn transfer(
+                conn: &mut AsyncPgConnection,
+                amount: Amount,
+                cmd: &Transfer,
+            ) -> Result<Receipt, AppError> {
+                let receipt = debit(conn, &cmd.from, amount.clone()).await?;
+                credit(conn, &cmd.to, amount).await?;
+                Ok(receipt)
+            }
+        },
+    );
+    insta::assert_snapshot!(pretty(out));
+}
+
+#[test]
+fn method_on_shared_self_with_generics() {
+    let out = retryable(
+        quote!(),
+        quote! {
+            async fn load<'a, K>(&self, conn: &mut diesel_async::AsyncPgConnection, key: &'a K) -> AppResult<Row>
+            where
+                K: AsRef<str> + ?Sized,
+            {
+                self.table.find(conn, key.as_ref()).await
+            }
+        },
+    );
+    insta::assert_snapshot!(pretty(out));
+}
+
+#[test]
+fn above_idempotent_lets_it_run_first() {
+    let out = retryable(
+        quote!(max = 3),
+        quote! {
+            #[idem::idempotent(key = cmd.key, fingerprint(cmd.amount))]
+            #[tracing::instrument(skip_all)]
+            async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
+                Ok(cmd.amount)
+            }
+        },
+    );
+    insta::assert_snapshot!(pretty(out));
+}
+
+#[test]
+fn a_broken_attribute_reports_every_mistake_and_keeps_the_fn() {
+    let out = retryable(
+        quote!(max = 0, isolation = snapshot, colour = blue, max = 2),
+        quote! {
+            fn transfer(conn: &mut AsyncPgConnection, log: &mut Vec<String>) -> Result<(), AppError> {
+                Ok(())
+            }
+        },
+    );
+    let (errors, fns) = errors_and_fns(out);
+    assert_eq!(
+        errors,
+        [
+            "`max = 0` would never run the body; the first attempt counts, so use at least 1",
+            "`isolation` is one of `read_committed` (the default), `repeatable_read` or `serializable`",
+            "unknown key `colour` in #[retryable(..)]; the valid keys are `max`, `deadline_ms`, `backoff_base_ms`, `backoff_cap_ms`, `isolation`, `on_conflict`, `retry_lock_not_available`, `commit_timeout_ms`, `hot_row_memory_ms` and `policy`",
+            "`max` is given twice; keep one (it was first given as `max = 0`)",
+            "#[retryable] needs an `async fn`: each attempt awaits the database",
+            "a #[retryable] body is replayed on every attempt, and a `&mut` argument would carry one attempt's changes into the next; take it by value (Clone) or by shared reference",
+        ]
+    );
+    assert_eq!(fns, ["transfer"]);
+}
