@@ -251,7 +251,7 @@ impl<'p> RetryLoop<'p> {
         }
         loop {
             self.attempts += 1;
-            let conn = self.pool.get().instrument(self.span.clone()).await?;
+            let conn = self.check_out().await?;
             let mut attempt = Attempt {
                 conn: Some(conn),
                 open: false,
@@ -278,6 +278,7 @@ impl<'p> RetryLoop<'p> {
                         if let ControlFlow::Break(exhausted) =
                             self.back_off(RetryCause::ConnectionLost).await
                         {
+                            self.record_end("exhausted");
                             return Err(exhausted);
                         }
                         continue;
@@ -297,7 +298,7 @@ impl<'p> RetryLoop<'p> {
             return Err(RetryError::Nested);
         }
         self.attempts += 1;
-        let conn = self.pool.get().instrument(self.span.clone()).await?;
+        let conn = self.check_out().await?;
         let mut attempt = Attempt {
             conn: Some(conn),
             open: true,
@@ -385,19 +386,37 @@ impl<'p> RetryLoop<'p> {
     }
 
     fn done<T, E>(&self, outcome: Result<T, E>, label: &'static str) -> ControlFlow<Result<T, E>> {
+        self.record_end(label);
+        ControlFlow::Break(outcome)
+    }
+
+    /// Trace and count how the call ended, whichever way it ended: through
+    /// `finish`, or in `begin` (no connection, or no budget left).
+    fn record_end(&self, label: &'static str) {
         self.span.record("attempts", self.attempts);
         self.span.record("outcome", label);
         tracing::debug!(parent: &self.span, attempts = self.attempts, elapsed_ms = self.started.elapsed().as_millis() as u64, outcome = label, "retry loop done");
         #[cfg(feature = "metrics")]
         {
-            metrics::histogram!("idem_retry_attempts", "function" => self.name)
+            metrics::histogram!("idem_retry_attempts", "function" => self.name, "outcome" => label)
                 .record(self.attempts as f64);
-            if label == "committed" && self.attempts > 1 {
+            let succeeded = label == "committed" || label == "read_only";
+            if succeeded && self.attempts > 1 {
                 metrics::counter!("idem_retry_success_after_retry_total", "function" => self.name)
                     .increment(1);
             }
         }
-        ControlFlow::Break(outcome)
+    }
+
+    /// A checkout that failed ends the call.
+    async fn check_out(&mut self) -> Result<PooledConnection, RetryError> {
+        match self.pool.get().instrument(self.span.clone()).await {
+            Ok(conn) => Ok(conn),
+            Err(err) => {
+                self.record_end("pool_error");
+                Err(RetryError::Pool(err))
+            }
+        }
     }
 
     /// Decide whether another attempt fits the budget, and sleep before it.
