@@ -1,55 +1,9 @@
 #![deny(warnings)]
 
 use diesel_async::AsyncPgConnection;
-use idem::{
-    idempotent, IdempotencyError, Idempotent, IdempotentError, NoFinalErrors, Pool, RetryCause,
-    RetryError, Transient,
-};
+use idem::{idempotent, Idempotent, Pool};
 
-#[derive(Debug)]
-pub enum AppError {
-    Db(diesel::result::Error),
-    Idem(IdempotencyError),
-    Retry(RetryError),
-}
-
-impl From<diesel::result::Error> for AppError {
-    fn from(e: diesel::result::Error) -> Self {
-        AppError::Db(e)
-    }
-}
-
-impl From<IdempotencyError> for AppError {
-    fn from(e: IdempotencyError) -> Self {
-        AppError::Idem(e)
-    }
-}
-
-impl From<RetryError> for AppError {
-    fn from(e: RetryError) -> Self {
-        AppError::Retry(e)
-    }
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Idem(e) => e.transient(),
-            AppError::Retry(_) => None,
-        }
-    }
-}
-
-impl IdempotentError for AppError {
-    type Final = NoFinalErrors;
-    fn to_final(&self) -> Option<NoFinalErrors> {
-        None
-    }
-    fn from_final(never: NoFinalErrors) -> Self {
-        match never {}
-    }
-}
+include!("../app_error.rs");
 
 pub struct PaymentCmd {
     pub key: String,

@@ -1,26 +1,7 @@
 use diesel_async::AsyncPgConnection;
-use idem::{retryable, RetryCause, RetryError, Transient};
+use idem::retryable;
 
-#[derive(Debug)]
-enum AppError {
-    Db(diesel::result::Error),
-    Retry(RetryError),
-}
-
-impl From<RetryError> for AppError {
-    fn from(e: RetryError) -> Self {
-        AppError::Retry(e)
-    }
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Retry(_) => None,
-        }
-    }
-}
+include!("../app_error.rs");
 
 #[retryable(max = 0)]
 async fn transfer(conn: &mut AsyncPgConnection) -> Result<(), AppError> {

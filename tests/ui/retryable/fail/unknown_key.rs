@@ -1,26 +1,7 @@
 use diesel_async::AsyncPgConnection;
-use idem::{retryable, RetryCause, RetryError, Transient};
+use idem::retryable;
 
-#[derive(Debug)]
-enum AppError {
-    Db(diesel::result::Error),
-    Retry(RetryError),
-}
-
-impl From<RetryError> for AppError {
-    fn from(e: RetryError) -> Self {
-        AppError::Retry(e)
-    }
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Retry(_) => None,
-        }
-    }
-}
+include!("../app_error.rs");
 
 // A misspelt key must not be silently ignored.
 #[retryable(max = 4, dealine_ms = 800)]

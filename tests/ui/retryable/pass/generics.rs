@@ -1,34 +1,9 @@
 #![deny(warnings)]
 
 use diesel_async::AsyncPgConnection;
-use idem::{retryable, Pool, RetryCause, RetryError, Transient};
+use idem::{retryable, Pool};
 
-#[derive(Debug)]
-pub enum AppError {
-    Db(diesel::result::Error),
-    Retry(RetryError),
-}
-
-impl From<RetryError> for AppError {
-    fn from(e: RetryError) -> Self {
-        AppError::Retry(e)
-    }
-}
-
-impl From<diesel::result::Error> for AppError {
-    fn from(e: diesel::result::Error) -> Self {
-        AppError::Db(e)
-    }
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Retry(_) => None,
-        }
-    }
-}
+include!("../app_error_pub.rs");
 
 use std::fmt::Display;
 

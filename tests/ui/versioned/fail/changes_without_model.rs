@@ -1,24 +1,7 @@
 use diesel::prelude::*;
 use idem::{Versioned, VersionedChanges};
 
-diesel::table! {
-    documents (tenant_id, document_id) {
-        tenant_id -> Int8,
-        document_id -> Int8,
-        body -> Text,
-        version -> Int8,
-    }
-}
-
-#[derive(Queryable, Selectable, Versioned)]
-#[diesel(table_name = documents)]
-#[versioned(tenant = tenant_id, version = version, key = document_id)]
-struct Document {
-    tenant_id: i64,
-    document_id: i64,
-    body: String,
-    version: i64,
-}
+include!("../documents.rs");
 
 // A changeset must say which model it edits.
 #[derive(VersionedChanges)]
