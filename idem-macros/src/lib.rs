@@ -8,6 +8,8 @@
 mod errors;
 mod idempotent;
 mod retryable;
+#[cfg(test)]
+mod test_support;
 mod versioned;
 
 use proc_macro::TokenStream;

@@ -8,14 +8,7 @@ use proc_macro2::TokenStream;
 use quote::quote;
 
 use super::{derive_changes, derive_model, parse};
-
-/// The expansion as formatted source; panics with the tokens if it does not parse.
-fn pretty(tokens: TokenStream) -> String {
-    match syn::parse_file(&tokens.to_string()) {
-        Ok(file) => prettyplease::unparse(&file),
-        Err(err) => panic!("the expansion is not valid Rust ({err}):\n{tokens}"),
-    }
-}
+use crate::test_support::pretty;
 
 /// Every message of a failed parse, in the order they were found.
 fn model_errors(input: TokenStream) -> Vec<String> {
