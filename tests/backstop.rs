@@ -80,11 +80,7 @@ async fn guarded() -> Fixture {
 }
 
 async fn raw_client(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    client
+    idem_testing::connect(url).await.unwrap()
 }
 
 /// The server's error for a statement that must fail.

@@ -123,13 +123,7 @@ fn pool_of(db: &TestDatabase, size: usize) -> Pool {
 }
 
 async fn side_connection(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
+    idem_testing::connect(url).await.expect("connect")
 }
 
 impl Env {

@@ -126,13 +126,7 @@ fn pool_of(db: &TestDatabase, size: usize) -> Pool {
 /// A connection to the server's own database, never to the test database.
 async fn admin_connection() -> tokio_postgres::Client {
     let url = idem_testing::server_url().expect("the server's URL");
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
+    idem_testing::connect(&url).await.expect("connect")
 }
 
 struct Observer {

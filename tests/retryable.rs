@@ -126,13 +126,7 @@ async fn env(pool_size: usize) -> Env {
 
 /// A connection outside the pool, to observe and to interfere.
 async fn side_connection(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
+    idem_testing::connect(url).await.expect("connect")
 }
 
 impl Env {

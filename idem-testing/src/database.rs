@@ -132,8 +132,10 @@ fn drop_database(admin_url: &str, name: &str) -> Result<(), HarnessError> {
     })
 }
 
-/// Connects with a bounded connect timeout and drives the connection on the current runtime.
-pub(crate) async fn connect(url: &str) -> Result<Client, HarnessError> {
+/// A plain tokio-postgres client for `url` (a test database's, or the
+/// server's), with a bounded connect timeout, its connection driven on the
+/// current runtime: for the side queries a test makes beside the code under test.
+pub async fn connect(url: &str) -> Result<Client, HarnessError> {
     let mut config: Config = url.parse().map_err(|e| HarnessError::InvalidUrl {
         url: redact(url),
         reason: format!("{e}"),

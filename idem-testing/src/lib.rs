@@ -37,7 +37,7 @@ mod error;
 mod url;
 
 pub use cluster::{start_throwaway_cluster, Cluster};
-pub use database::TestDatabase;
+pub use database::{connect, TestDatabase};
 pub use error::HarnessError;
 
 /// The admin URL of the server that test databases are created on.
