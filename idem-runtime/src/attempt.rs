@@ -58,14 +58,16 @@ fn hot_rows() -> &'static Mutex<HashMap<RowId, Instant>> {
 }
 const HOT_ROWS_CAPACITY: usize = 4096;
 
-/// Whether the current attempt should read `row` with `FOR UPDATE`: after a
-/// conflict in this call, or, under `on_conflict = lock`, when the row lost a
-/// version race within the policy's memory.
-pub(crate) fn lock_row(row: RowId) -> bool {
+/// Whether the current attempt should read the row of model `M` with `key`
+/// `FOR UPDATE`: after a conflict in this call, or, under `on_conflict =
+/// lock`, when the row lost a version race within the policy's memory. The
+/// key is hashed only in that last case, off the path of plain reads.
+pub(crate) fn lock_row<M: 'static, K: Hash>(key: &K) -> bool {
     ATTEMPT
         .try_with(|ctx| {
             ctx.lock_rows
                 || ctx.hot_row_memory.is_some_and(|memory| {
+                    let row = RowId::of::<M, K>(key);
                     let hot = hot_rows().lock().unwrap_or_else(|p| p.into_inner());
                     hot.get(&row).is_some_and(|at| at.elapsed() < memory)
                 })

@@ -398,7 +398,7 @@ impl<M: Versioned, T> Find<M, T> {
         T: TenantGiven<M> + Send + 'c,
     {
         Pending::new(async move {
-            let lock = attempt::lock_row(attempt::RowId::of::<M, _>(&self.key));
+            let lock = attempt::lock_row::<M, _>(&self.key);
             M::__load(conn, self.tenant.into_tenant(), self.key, lock)
                 .await?
                 .ok_or(VersionedError::NotFound)
