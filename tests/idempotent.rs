@@ -1091,10 +1091,9 @@ async fn external_failures_release_or_keep_the_key_until_settled() {
     assert_eq!(env.effects("sent:x-unknown").await, 0);
 
     // Reconciled as done: later callers get the settled response.
-    let mut conn = AsyncPgConnection::establish(env.db.url()).await.unwrap();
     let settled = settle(
-        &mut conn,
-        "null",
+        &env.pool,
+        &(),
         "x-unknown",
         Settlement::Completed(serde_json::json!("receipt:from-the-psp")),
     )
@@ -1108,11 +1107,9 @@ async fn external_failures_release_or_keep_the_key_until_settled() {
     assert_eq!(replay.value, "receipt:from-the-psp");
     assert_eq!(target.script.calls(), 3);
     // A completed record is not settled again.
-    assert!(
-        !settle(&mut conn, "null", "x-unknown", Settlement::Released)
-            .await
-            .unwrap()
-    );
+    assert!(!settle(&env.pool, &(), "x-unknown", Settlement::Released)
+        .await
+        .unwrap());
 
     // Reconciled as not done: the key is released and a retry runs.
     target.script.push(Step::Timeout);
@@ -1122,7 +1119,7 @@ async fn external_failures_release_or_keep_the_key_until_settled() {
         &send(&env.pool, &send_cmd("x-lost", 3), &target).await,
         "OutcomeUnknown"
     ));
-    assert!(settle(&mut conn, "null", "x-lost", Settlement::Released)
+    assert!(settle(&env.pool, &(), "x-lost", Settlement::Released)
         .await
         .unwrap());
     let rerun = send(&env.pool, &send_cmd("x-lost", 3), &target)

@@ -8,6 +8,7 @@ pub mod idempotency;
 pub mod migrate;
 pub mod pool;
 pub mod retry;
+mod tx;
 pub mod versioned;
 
 pub use idempotency::{
@@ -32,8 +33,8 @@ pub mod __private {
 
     /// Asks the compiler whether `V` can hold a version.
     pub fn assert_version_type<V: VersionValue>() {}
-    pub use crate::idempotency::{Field, KeyInput, Lookup, Request};
-    pub use crate::retry::RetryLoop;
+    pub use crate::idempotency::{under_key, Call, Field, KeyInput, Request};
+    pub use crate::retry::{commit, RetryLoop, Step};
 
     /// A by-value argument handed to each attempt again.
     #[diagnostic::on_unimplemented(

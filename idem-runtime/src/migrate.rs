@@ -129,6 +129,11 @@ static MIGRATIONS: &[Migration] = &[
         name: "idem_requests",
         sql: include_str!("../migrations/0002_idem_requests.sql"),
     },
+    Migration {
+        version: 3,
+        name: "idem_requests_owner",
+        sql: include_str!("../migrations/0003_idem_requests_owner.sql"),
+    },
 ];
 
 /// The migrations embedded in this build, in the order [`migrate`] applies them.

@@ -90,7 +90,7 @@ pub(crate) fn idempotent(
     let mut sig = pool_signature(shape);
     let pool = &shape.conn_ident;
     let (ret, ret_span) = return_type(shape);
-    let parts = quote!(<#ret as ::idem::__private::ResultParts>);
+    let parts = quote_spanned!(ret_span=> <#ret as ::idem::__private::ResultParts>);
     sig.output = syn::parse_quote_spanned! {ret_span=>
         -> ::core::result::Result<::idem::Idempotent<#parts::Ok>, #parts::Err>
     };
@@ -102,7 +102,6 @@ pub(crate) fn idempotent(
     let result = format_ident!("__idem_result", span = mixed);
     let outcome = format_ident!("__idem_outcome", span = mixed);
     let error = format_ident!("__idem_error", span = mixed);
-    let body_ran = format_ident!("__idem_body_ran", span = mixed);
 
     // No #[retryable]: one attempt, still claimed and recorded in its transaction.
     let policy = if has_retryable {
@@ -152,7 +151,7 @@ pub(crate) fn idempotent(
     };
     let run = attempt_run(shape, &attempt);
     let err_ty = quote_spanned!(ret_span=> #parts::Err);
-    let ok_ty = quote!(#parts::Ok);
+    let ok_ty = quote_spanned!(ret_span=> #parts::Ok);
 
     let build = quote! {
         let #request = match (|| -> ::core::result::Result<::idem::__private::Request, ::idem::IdempotencyError> {
@@ -166,72 +165,29 @@ pub(crate) fn idempotent(
         };
     };
 
-    let flow = match parsed.mode {
-        // The record is read in the attempt's first round trip, with the
-        // claim: a new request then commits once, in the attempt.
-        ModeArg::Local => quote! {
-            let mut #retry_loop = ::idem::__private::RetryLoop::new(#pool, #policy, #name);
-            loop {
-                let mut #attempt = match #retry_loop.begin_deferred().await {
-                    ::core::result::Result::Ok(#attempt) => #attempt,
-                    ::core::result::Result::Err(#error) => {
-                        return ::core::result::Result::Err(::core::convert::From::from(#error));
-                    }
-                };
-                let #result: ::core::result::Result<::core::result::Result<::idem::Idempotent<#ok_ty>, #err_ty>, #err_ty> =
-                    #retry_loop.scope(#request.scope_key(async {
-                        // A replay (stored success or final error) wrote nothing
-                        // and answers at once; a refusal or a conflict is an
-                        // error, so the loop rolls back and, for a conflict,
-                        // replays the claim.
-                        if let ::idem::__private::Lookup::Done(#outcome) = #request.claim_local::<#ok_ty, #err_ty>(&mut #attempt).await {
-                            return if #attempt.is_read_only() {
-                                ::core::result::Result::Ok(#outcome)
-                            } else {
-                                #outcome.map(::core::result::Result::Ok)
-                            };
-                        }
-                        let #outcome = #run;
-                        #request.record_local(&mut #attempt, #outcome).map(::core::result::Result::Ok)
-                    })).await;
-                if let ::core::ops::ControlFlow::Break(#outcome) = #retry_loop.finish(#attempt, #result).await {
-                    return match #outcome {
-                        ::core::result::Result::Ok(#outcome) => #outcome,
-                        ::core::result::Result::Err(#error) => #request.finish_error(#pool, #error).await,
-                    };
-                }
-            }
-        },
-        ModeArg::External => quote! {
-            if let ::idem::__private::Lookup::Done(#outcome) = #request.claim_external::<#ok_ty, #err_ty>(#pool).await {
-                return #outcome;
-            }
-            let mut #body_ran = false;
-            let mut #retry_loop = ::idem::__private::RetryLoop::new(#pool, #policy, #name);
-            let #outcome: ::core::result::Result<::idem::Idempotent<#ok_ty>, #err_ty> = loop {
-                let mut #attempt = match #retry_loop.begin().await {
-                    ::core::result::Result::Ok(#attempt) => #attempt,
-                    ::core::result::Result::Err(#error) => break ::core::result::Result::Err(::core::convert::From::from(#error)),
-                };
-                #body_ran = true;
-                let #result: ::core::result::Result<::idem::Idempotent<#ok_ty>, #err_ty> =
-                    #retry_loop.scope(#request.scope_key(async {
-                        match #run {
-                            ::core::result::Result::Ok(#outcome) => #request.record_external(&mut #attempt, #outcome),
-                            ::core::result::Result::Err(#error) => ::core::result::Result::Err(#error),
-                        }
-                    })).await;
-                if let ::core::ops::ControlFlow::Break(#outcome) = #retry_loop.finish(#attempt, #result).await {
-                    break #outcome;
-                }
+    // Both modes: the same begin / scope / finish as #[retryable], with the
+    // call's enter and leave steps around the body and its end after the loop.
+    let call = format_ident!("__idem_call", span = mixed);
+    let flow = quote! {
+        let mut #call = ::idem::__private::Call::<#err_ty>::new(#request);
+        let mut #retry_loop = ::idem::__private::RetryLoop::new(#pool, #policy, #name);
+        let #outcome = loop {
+            let mut #attempt = match #retry_loop.begin().await {
+                ::core::result::Result::Ok(#attempt) => #attempt,
+                ::core::result::Result::Err(#error) => break ::core::result::Result::Err(::core::convert::From::from(#error)),
             };
-            match #outcome {
-                ::core::result::Result::Ok(#outcome) => ::core::result::Result::Ok(#outcome),
-                ::core::result::Result::Err(#error) => {
-                    ::core::result::Result::Err(#request.settle_failure(#pool, #error, #body_ran).await)
+            let #result = #retry_loop.scope(::idem::__private::under_key(::std::borrow::ToOwned::to_owned(#call.request().key()), async {
+                if let ::core::option::Option::Some(#outcome) = #call.enter::<#ok_ty>(#attempt.conn()).await {
+                    return #outcome;
                 }
+                let #outcome = #run;
+                #call.leave(#attempt.conn(), #outcome).await
+            })).await;
+            if let ::core::ops::ControlFlow::Break(#outcome) = #retry_loop.finish(#attempt, #result).await {
+                break #outcome;
             }
-        },
+        };
+        #call.end(#pool, #retry_loop.policy().commit_timeout, #outcome).await
     };
 
     // The #[retryable] attribute was consumed here, so its import would look

@@ -141,7 +141,7 @@ pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
     let (loop_at_ret, attempt_at_ret, result_at_ret) =
         (at_ret(&retry_loop), at_ret(&attempt), at_ret(&result));
     let finish = quote_spanned! {ret_span=>
-        #loop_at_ret.finish(#attempt_at_ret, #result_at_ret).await
+        #loop_at_ret.finish(#attempt_at_ret, ::idem::__private::commit(#result_at_ret)).await
     };
 
     quote! {

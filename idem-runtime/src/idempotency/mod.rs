@@ -22,8 +22,10 @@
 //! request, [`IdempotencyError::InProgress`] (409), or
 //! [`IdempotencyError::OutcomeUnknown`]. Scopes are separate key spaces.
 
+mod admin;
+mod call;
 pub mod fingerprint;
-mod flow;
+mod request;
 mod store;
 
 use std::time::Duration;
@@ -32,8 +34,10 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+pub use admin::{purge_expired, settle, PurgeReport, Settlement};
+pub use call::{Call, Reply};
 pub use fingerprint::Field;
-pub use flow::{purge_expired, settle, Lookup, PurgeReport, Request, Settlement};
+pub use request::Request;
 
 /// Where the effects of an idempotent function live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -166,6 +170,13 @@ pub enum IdempotencyError {
         /// The configured limit.
         limit: usize,
     },
+    /// External mode: the claim of this key was settled by hand, or its
+    /// lease ran out and another request took the key, while this request
+    /// ran. Its writes were rolled back; nothing was committed (409).
+    #[error(
+        "the claim of this idempotency key was lost while the request ran; nothing was committed"
+    )]
+    ClaimLost,
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[from] diesel::result::Error),
@@ -177,7 +188,7 @@ impl IdempotencyError {
         match self {
             IdempotencyError::InvalidKey { .. } | IdempotencyError::MissingKey => 400,
             IdempotencyError::FingerprintMismatch => 422,
-            IdempotencyError::InProgress => 409,
+            IdempotencyError::InProgress | IdempotencyError::ClaimLost => 409,
             IdempotencyError::OutcomeUnknown => 502,
             _ => 500,
         }
@@ -324,6 +335,15 @@ impl<T: KeyInput> KeyInput for Option<T> {
 
 tokio::task_local! {
     static CURRENT_KEY: String;
+}
+
+/// Run `body` with [`current_key`] returning `key`.
+#[doc(hidden)]
+pub fn under_key<F: std::future::Future>(
+    key: String,
+    body: F,
+) -> impl std::future::Future<Output = F::Output> {
+    CURRENT_KEY.scope(key, body)
 }
 
 /// The idempotency key of the request whose body is running, so an external

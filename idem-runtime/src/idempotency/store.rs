@@ -1,8 +1,9 @@
-//! The statements on `idem_requests`. The three on every request (read,
-//! claim and record) are written as fixed query fragments so diesel caches
-//! their prepared statements (its `INSERT .. ON CONFLICT DO UPDATE` and
-//! `UPDATE` builders are not cached) and they can be pipelined on a shared
-//! connection; the rest use the query builder.
+//! Every statement on `idem_requests`, each written once. The three on every
+//! request (claim-or-read, read and record) are fixed query fragments, so
+//! diesel caches their prepared statements (its `INSERT .. ON CONFLICT DO
+//! UPDATE` and `UPDATE` builders are not cached); the rare ones (release,
+//! mark unknown, settle, purge) use the query builder. Every value travels
+//! as a bind parameter: no key, scope or response is ever formatted into SQL.
 
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
@@ -29,7 +30,6 @@ diesel::table! {
 
 pub(crate) const IN_PROGRESS: &str = "in_progress";
 pub(crate) const COMPLETED: &str = "completed";
-pub(crate) const UNKNOWN: &str = "unknown";
 pub(crate) const OK: &str = "ok";
 pub(crate) const ERROR: &str = "error";
 
@@ -50,6 +50,8 @@ pub(crate) struct Claim<'a> {
     pub(crate) ttl_micros: i64,
     /// `None` in local mode: a local claim is never visible while in progress.
     pub(crate) lease_micros: Option<i64>,
+    /// External mode: the token that tells the owner's own claim apart.
+    pub(crate) owner: Option<&'a [u8]>,
 }
 
 impl QueryFragment<Pg> for Claim<'_> {
@@ -68,7 +70,7 @@ impl Claim<'_> {
     ) -> QueryResult<()> {
         out.push_sql(
             "INSERT INTO idem_requests AS r \
-             (scope, key, operation, fingerprint, mode, state, expires_at, lease_until) SELECT ",
+             (scope, key, operation, fingerprint, mode, state, owner, expires_at, lease_until) SELECT ",
         );
         out.push_bind_param::<Text, _>(self.scope)?;
         out.push_sql(", ");
@@ -79,7 +81,9 @@ impl Claim<'_> {
         out.push_bind_param::<Binary, _>(self.fingerprint)?;
         out.push_sql(", ");
         out.push_bind_param::<Text, _>(self.mode)?;
-        out.push_sql(", 'in_progress', now() + ");
+        out.push_sql(", 'in_progress', ");
+        out.push_bind_param::<Nullable<Binary>, _>(&self.owner)?;
+        out.push_sql(", now() + ");
         out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
         out.push_sql(" * interval '1 microsecond', now() + ");
         out.push_bind_param::<Nullable<BigInt>, _>(&self.lease_micros)?;
@@ -100,7 +104,7 @@ impl Claim<'_> {
         out.push_sql(
             " ON CONFLICT (scope, key) DO UPDATE SET operation = excluded.operation, \
              fingerprint = excluded.fingerprint, mode = excluded.mode, state = 'in_progress', \
-             outcome = NULL, response = NULL, created_at = now(), updated_at = now(), \
+             owner = excluded.owner, outcome = NULL, response = NULL, created_at = now(), updated_at = now(), \
              expires_at = excluded.expires_at, lease_until = excluded.lease_until \
              WHERE r.state = 'completed' AND r.expires_at <= now() RETURNING true",
         );
@@ -118,7 +122,7 @@ impl QueryFragment<Pg> for ClaimOrRead<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
             "WITH seen AS (SELECT operation, fingerprint, state, outcome, response, \
-             lease_until < now() AS lease_expired, expires_at <= now() AS expired \
+             lease_until < now() AS lease_expired, expires_at <= now() AS expired, owner \
              FROM idem_requests WHERE scope = ",
         );
         out.push_bind_param::<Text, _>(self.0.scope)?;
@@ -128,7 +132,7 @@ impl QueryFragment<Pg> for ClaimOrRead<'_> {
         self.0.walk_insert(out.reborrow(), true)?;
         out.push_sql(
             " AS ok) SELECT (SELECT ok FROM claimed), seen.operation, seen.fingerprint, seen.state, \
-             seen.outcome, seen.response, seen.lease_expired, seen.expired \
+             seen.outcome, seen.response, seen.lease_expired, seen.expired, seen.owner \
              FROM (SELECT 1) AS one LEFT JOIN seen ON true",
         );
         Ok(())
@@ -145,6 +149,7 @@ impl Query for ClaimOrRead<'_> {
         Nullable<Jsonb>,
         Nullable<Bool>,
         Nullable<Bool>,
+        Nullable<diesel::sql_types::Bytea>,
     );
 }
 
@@ -154,6 +159,8 @@ pub(crate) struct Record<'a> {
     pub(crate) key: &'a str,
     pub(crate) outcome: &'a str,
     pub(crate) response: &'a serde_json::Value,
+    /// External mode: only the owner's own claim is completed.
+    pub(crate) owner: Option<&'a [u8]>,
 }
 
 impl QueryFragment<Pg> for Record<'_> {
@@ -166,7 +173,8 @@ impl QueryFragment<Pg> for Record<'_> {
         out.push_bind_param::<Text, _>(self.scope)?;
         out.push_sql(" AND key = ");
         out.push_bind_param::<Text, _>(self.key)?;
-        out.push_sql(" AND state <> 'completed'");
+        out.push_sql(" AND state <> 'completed' AND owner IS NOT DISTINCT FROM ");
+        out.push_bind_param::<Nullable<Binary>, _>(&self.owner)?;
         Ok(())
     }
 }
@@ -181,7 +189,7 @@ impl QueryFragment<Pg> for Read<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
             "SELECT operation, fingerprint, state, outcome, response, lease_until < now(), \
-             expires_at <= now() FROM idem_requests WHERE scope = ",
+             expires_at <= now(), owner FROM idem_requests WHERE scope = ",
         );
         out.push_bind_param::<Text, _>(self.scope)?;
         out.push_sql(" AND key = ");
@@ -199,6 +207,7 @@ impl Query for Read<'_> {
         Nullable<Jsonb>,
         Nullable<Bool>,
         Bool,
+        Nullable<diesel::sql_types::Bytea>,
     );
 }
 
@@ -216,3 +225,33 @@ cacheable_by_sql!(Claim, ClaimOrRead, Record, Read);
 impl Query for Claim<'_> {
     type SqlType = Bool;
 }
+
+/// Release a claim that is not completed (its request never left, or an
+/// operator found the target did nothing): the key is new again. `$3`: the
+/// owner's token, or NULL for any holder.
+pub(crate) const RELEASE: &str = "DELETE FROM idem_requests WHERE scope = $1 AND key = $2 \
+     AND state <> 'completed' AND ($3::bytea IS NULL OR owner = $3)";
+
+/// The owner's in-progress claim becomes outcome unknown: its request may
+/// have reached the target.
+pub(crate) const MARK_UNKNOWN: &str = "UPDATE idem_requests SET state = 'unknown', \
+     updated_at = now() WHERE scope = $1 AND key = $2 AND state = 'in_progress' AND owner = $3";
+
+/// An operator's decision that the target did it: store the response.
+pub(crate) const SETTLE_COMPLETED: &str = "UPDATE idem_requests SET state = 'completed', \
+     outcome = 'ok', response = $3, updated_at = now(), lease_until = NULL \
+     WHERE scope = $1 AND key = $2 AND state <> 'completed'";
+
+/// One batch of expired completed records; `SKIP LOCKED` so a purge never
+/// waits on, or blocks, a request taking over an expired key.
+pub(crate) const PURGE_BATCH: &str = "DELETE FROM idem_requests WHERE ctid = ANY (ARRAY( \
+     SELECT ctid FROM idem_requests WHERE state = 'completed' AND expires_at <= now() \
+     LIMIT $1 FOR UPDATE SKIP LOCKED))";
+
+/// In-progress claims whose lease ran out become outcome unknown.
+pub(crate) const EXPIRE_LEASES: &str = "UPDATE idem_requests SET state = 'unknown', \
+     updated_at = now() WHERE state = 'in_progress' AND lease_until < now()";
+
+/// How many records wait to be settled.
+pub(crate) const COUNT_UNKNOWN: &str =
+    "SELECT count(*) AS n FROM idem_requests WHERE state = 'unknown'";

@@ -147,12 +147,6 @@ impl Transient for super::RetryError {
     }
 }
 
-/// 25P02: a statement was sent after an earlier one failed in the transaction.
-pub(crate) fn is_in_failed_transaction(e: &DieselError) -> bool {
-    matches!(e, DieselError::DatabaseError(DatabaseErrorKind::Unknown, info)
-        if info.message().starts_with("current transaction is aborted"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

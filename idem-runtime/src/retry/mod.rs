@@ -7,10 +7,9 @@
 //! 1. check a connection out of the [`Pool`](crate::pool::Pool);
 //! 2. `BEGIN ISOLATION LEVEL ..`;
 //! 3. run the body, built anew from the original arguments;
-//! 4. on `Ok`, `SELECT 1; COMMIT` in one round trip: the `SELECT 1` fails when a
-//!    statement of the body failed and the body swallowed the error, which
-//!    would otherwise turn the `COMMIT` into a silent rollback reported as
-//!    success ([`RetryError::RolledBack`]);
+//! 4. on `Ok`, `COMMIT`, unless a statement of the body failed and the body
+//!    swallowed the error, which would otherwise turn the `COMMIT` into a
+//!    silent rollback reported as success ([`RetryError::RolledBack`]);
 //! 5. on `Err`, `ROLLBACK` (or discard the connection when that fails), then
 //!    replay only if the error is [`Transient`] and the budget allows.
 //!
@@ -26,10 +25,8 @@ mod run;
 
 use std::time::Duration;
 
-pub(crate) use classify::is_in_failed_transaction;
 pub use classify::{RetryCause, Transient};
-pub use run::{retry, Attempt, RetryLoop};
-pub(crate) use run::{PreCommit, PreCommitStep};
+pub use run::{commit, retry, Attempt, RetryLoop, Step};
 
 /// The isolation level each attempt's transaction begins with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -1,29 +1,23 @@
-//! The loop itself. `#[retryable]` expands to the same four calls the closure
-//! form [`retry`] makes: [`RetryLoop::begin`], [`RetryLoop::scope`] around the
-//! body, [`RetryLoop::finish`], and again while `finish` says so.
+//! The loop itself. `#[retryable]`, `#[idempotent]` and the closure form
+//! [`retry`] all expand to the same calls: [`RetryLoop::begin`],
+//! [`RetryLoop::scope`] around the attempt's body, [`RetryLoop::finish`] with
+//! the body's [`Step`], and again while `finish` says so. The loop knows
+//! nothing of idempotency: what an attempt asks of its transaction arrives as
+//! a [`Step`]; how a transaction begins and ends is [`crate::tx`]'s.
 
 use std::future::Future;
 use std::ops::ControlFlow;
-use std::pin::Pin;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use diesel::connection::{TransactionDepthChange, TransactionManagerStatus};
-use diesel_async::pooled_connection::deadpool::Object;
-use diesel_async::{
-    AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
-};
+use diesel_async::AsyncPgConnection;
 use scoped_futures::ScopedBoxFuture;
 use tracing::Instrument;
 
 use super::backoff;
-use super::{is_in_failed_transaction, OnConflict, RetryCause, RetryError, RetryPolicy, Transient};
+use super::{OnConflict, RetryCause, RetryError, RetryPolicy, Transient};
 use crate::attempt::{self, AttemptContext, ATTEMPT};
 use crate::pool::{Pool, PooledConnection};
-
-/// One round trip that commits only a healthy transaction: in a transaction
-/// that saw a failed statement, `SELECT 1` fails with 25P02 and the server
-/// skips the `COMMIT`, instead of answering it with a silent `ROLLBACK`.
-const COMMIT_IF_HEALTHY: &str = "SELECT 1; COMMIT";
+use crate::tx::{CommitFailure, Tx};
 
 /// Run `body` as a retried transaction: the closure form of `#[retryable]`.
 ///
@@ -76,10 +70,33 @@ where
     loop {
         let mut attempt = retry_loop.begin().await.map_err(E::from)?;
         let result = retry_loop.scope(body(attempt.conn())).await;
-        if let ControlFlow::Break(outcome) = retry_loop.finish(attempt, result).await {
+        if let ControlFlow::Break(outcome) = retry_loop.finish(attempt, commit(result)).await {
             return outcome;
         }
     }
+}
+
+/// An attempt's plain result, as the step "commit and return it".
+pub fn commit<T, E>(result: Result<T, E>) -> Result<Step<T>, E> {
+    result.map(Step::Commit)
+}
+
+/// What an attempt asks of its transaction when its body is done.
+#[derive(Debug)]
+pub enum Step<T> {
+    /// Commit, then return `T`.
+    Commit(T),
+    /// The attempt wrote nothing: return `T` at once and end the transaction
+    /// in the background (an idempotent replay).
+    Answer(T),
+    /// Commit what the attempt wrote, then run the next attempt at once (an
+    /// external idempotency claim, committed before its body runs). A commit
+    /// whose outcome is unknown is replayed: the next attempt finds out.
+    CommitAndContinue,
+    /// Roll back, wait, and run the next attempt (a duplicate waiting for
+    /// the first request, or a final error to store without the body's
+    /// writes). Not a failure: it spends no attempt of the budget.
+    Again(Duration),
 }
 
 /// The state of one call's retry loop: budget spent, and whether rows are
@@ -94,124 +111,18 @@ pub struct RetryLoop<'p> {
     span: tracing::Span,
 }
 
-/// One attempt's connection, with its transaction open.
-///
-/// Dropping an `Attempt` whose transaction is still open (the caller's future
-/// was cancelled mid-attempt) detaches the connection from the pool and closes
-/// it, so the server rolls the transaction back at once and no connection goes
-/// back to the pool idle in a transaction.
+/// One attempt's connection, with its transaction open. Dropping it (the
+/// caller's future was cancelled mid-attempt) closes the transaction: see
+/// [`crate::tx`].
 pub struct Attempt {
-    conn: Option<PooledConnection>,
-    open: bool,
-    /// `BEGIN` not sent yet: the first statement of the attempt sends it in
-    /// the same round trip (see [`RetryLoop::begin_deferred`]).
-    deferred_begin: Option<&'static str>,
-    /// A statement sent in the same round trip as `COMMIT`.
-    pre_commit: Option<PreCommitStep>,
-    /// The attempt only read (an idempotent replay): its transaction is
-    /// ended in the background and the caller answered at once.
-    read_only: bool,
-}
-
-/// Work that must commit with the attempt.
-pub(crate) enum PreCommitStep {
-    /// SQL text sent in the same simple query as `COMMIT`, so it costs no
-    /// round trip and cannot be overtaken by it. It must fail in a
-    /// transaction that saw a failed statement (any statement does: 25P02).
-    Sql(String),
-    /// A statement awaited before `COMMIT` (one more round trip).
-    Statement(Box<dyn PreCommit>),
-}
-
-/// A statement that must commit with the attempt, pipelined with `COMMIT`.
-pub(crate) trait PreCommit: Send {
-    fn run<'c>(
-        self: Box<Self>,
-        conn: &'c AsyncPgConnection,
-    ) -> Pin<Box<dyn Future<Output = diesel::QueryResult<()>> + Send + 'c>>;
+    tx: Tx,
 }
 
 impl Attempt {
     /// The connection the attempt's body runs on.
-    ///
-    /// # Panics
-    /// After the loop discarded the connection, which only happens inside
-    /// [`RetryLoop::finish`], which consumes the attempt.
     pub fn conn(&mut self) -> &mut AsyncPgConnection {
-        self.conn
-            .as_mut()
-            .expect("an attempt's connection is only discarded by finish()")
+        self.tx.conn()
     }
-
-    /// The `BEGIN` to send with the attempt's first statement, once.
-    pub(crate) fn take_deferred_begin(&mut self) -> Option<&'static str> {
-        self.deferred_begin.take()
-    }
-
-    /// Send `statement` in the same round trip as the attempt's `COMMIT`.
-    pub(crate) fn before_commit(&mut self, step: PreCommitStep) {
-        self.pre_commit = Some(step);
-    }
-
-    /// Mark the attempt as one that wrote nothing and answers from what it
-    /// read: its transaction ends in the background after the answer.
-    pub(crate) fn mark_read_only(&mut self) {
-        self.read_only = true;
-    }
-
-    /// Whether [`Attempt::mark_read_only`] was called.
-    #[doc(hidden)]
-    pub fn is_read_only(&self) -> bool {
-        self.read_only
-    }
-
-    /// Close the connection instead of returning it to the pool.
-    fn discard(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            drop(Object::take(conn));
-        }
-        self.open = false;
-    }
-
-    /// Cancel the statement the server may still be running for this attempt,
-    /// then close the connection.
-    ///
-    /// Closing the socket alone does not end a running statement: the backend
-    /// notices the closed connection only when it next writes to it, and keeps
-    /// its transaction and row locks until then (a `pg_sleep(60)` holds them a
-    /// minute). A cancel request, sent on a connection of its own, stops it at
-    /// once; the backend then reads the closed socket, rolls back and exits.
-    /// The connection is discarded, so the request cannot hit a later
-    /// statement. Best effort: without a Tokio runtime, or when the server
-    /// refuses a cancel request without TLS, the statement runs to its end.
-    fn cancel_and_discard(&mut self) {
-        if let Some(conn) = self.conn.as_ref() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let token = conn.cancel_token();
-                runtime.spawn(async move {
-                    if let Err(err) = token.cancel_query(tokio_postgres::NoTls).await {
-                        tracing::debug!(error = %err, "could not cancel the abandoned attempt's statement");
-                    }
-                });
-            }
-        }
-        self.discard();
-    }
-}
-
-impl Drop for Attempt {
-    fn drop(&mut self) {
-        if self.open {
-            tracing::warn!("attempt dropped with its transaction open; closing its connection");
-            self.cancel_and_discard();
-        }
-    }
-}
-
-enum CommitFailure {
-    Unknown,
-    RolledBack,
-    Failed(diesel::result::Error),
 }
 
 impl<'p> RetryLoop<'p> {
@@ -244,85 +155,45 @@ impl<'p> RetryLoop<'p> {
         self.attempts
     }
 
-    /// Start the next attempt: a fresh checkout and `BEGIN`.
+    /// The policy this loop runs under.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// Start the next attempt: a fresh checkout and `BEGIN`. A connection
+    /// that cannot be set up or that broke while idle in the pool ran nothing
+    /// yet, so another one is tried within the budget.
     pub async fn begin(&mut self) -> Result<Attempt, RetryError> {
         if attempt::inside_attempt() {
             return Err(RetryError::Nested);
         }
         loop {
             self.attempts += 1;
-            let conn = self.check_out().await?;
-            let mut attempt = Attempt {
-                conn: Some(conn),
-                open: false,
-                deferred_begin: None,
-                pre_commit: None,
-                read_only: false,
-            };
-            let begin = AnsiTransactionManager::begin_transaction_sql(
-                attempt.conn(),
-                self.policy.isolation.begin_sql(),
-            )
-            .instrument(self.span.clone())
-            .await;
-            match begin {
-                Ok(()) => {
-                    attempt.open = true;
-                    return Ok(attempt);
-                }
-                Err(err) => {
-                    attempt.discard();
-                    // A connection that broke while idle in the pool: nothing
-                    // ran yet, so another connection is always safe to try.
-                    if err.transient() == Some(RetryCause::ConnectionLost) {
-                        if let ControlFlow::Break(exhausted) =
-                            self.back_off(RetryCause::ConnectionLost).await
+            let lost = match self.check_out().await? {
+                Some(conn) => {
+                    match Tx::begin(conn, self.policy.isolation)
+                        .instrument(self.span.clone())
+                        .await
+                    {
+                        Ok(tx) => return Ok(Attempt { tx }),
+                        Err(failure)
+                            if failure.0.transient() == Some(RetryCause::ConnectionLost) =>
                         {
-                            self.record_end("exhausted");
-                            return Err(exhausted);
+                            RetryCause::ConnectionLost
                         }
-                        continue;
+                        Err(failure) => {
+                            self.record_end("begin_failed");
+                            return Err(RetryError::Begin(failure.0));
+                        }
                     }
-                    return Err(RetryError::Begin(err));
                 }
+                None => RetryCause::ConnectionLost,
+            };
+            if let ControlFlow::Break(exhausted) = self.back_off(lost).await {
+                self.record_end("exhausted");
+                return Err(exhausted);
             }
         }
-    }
-
-    /// Start the next attempt without sending `BEGIN`: the caller must send
-    /// [`Attempt::take_deferred_begin`] pipelined with its first statement
-    /// (the idempotency claim does), which saves a round trip per request.
-    #[doc(hidden)]
-    pub async fn begin_deferred(&mut self) -> Result<Attempt, RetryError> {
-        if attempt::inside_attempt() {
-            return Err(RetryError::Nested);
-        }
-        self.attempts += 1;
-        let conn = self.check_out().await?;
-        let mut attempt = Attempt {
-            conn: Some(conn),
-            open: true,
-            deferred_begin: Some(self.policy.isolation.begin_sql()),
-            pre_commit: None,
-            read_only: false,
-        };
-        // diesel must believe the transaction is open, so that a nested
-        // `conn.transaction()` in the body becomes a savepoint.
-        let counted = match AnsiTransactionManager::transaction_manager_status_mut(attempt.conn()) {
-            TransactionManagerStatus::Valid(status) if status.transaction_depth().is_none() => {
-                status
-                    .change_transaction_depth(TransactionDepthChange::IncreaseDepth)
-                    .is_ok()
-            }
-            _ => false,
-        };
-        if !counted {
-            attempt.discard();
-            return Err(RetryError::Begin(
-                diesel::result::Error::AlreadyInTransaction,
-            ));
-        }
-        Ok(attempt)
     }
 
     /// Run one attempt's body with the attempt's context (attempt number, row
@@ -338,40 +209,73 @@ impl<'p> RetryLoop<'p> {
         ATTEMPT.scope(ctx, body).instrument(span)
     }
 
-    /// End an attempt: commit on `Ok`, roll back on `Err`, and say whether to
-    /// go again (`Continue`, after the backoff sleep) or return (`Break`).
+    /// End an attempt as its [`Step`] asks, and say whether to go again
+    /// (`Continue`, after any backoff sleep) or return (`Break`). An `Err` is
+    /// rolled back and replayed when it is [`Transient`] and the budget allows.
     pub async fn finish<T, E>(
         &mut self,
         mut attempt: Attempt,
-        result: Result<T, E>,
+        result: Result<Step<T>, E>,
     ) -> ControlFlow<Result<T, E>>
     where
         E: Transient + From<RetryError>,
     {
+        let timeout = self.policy.commit_timeout;
         let cause = match result {
-            Ok(value) if attempt.read_only => {
-                end_in_background(attempt);
-                return self.done(Ok(value), "read_only");
+            Ok(Step::Answer(value)) => {
+                attempt.tx.end_in_background(timeout);
+                return self.done(Ok(value), "answered");
             }
-            Ok(value) => match self.commit(&mut attempt).await {
-                Ok(()) => return self.done(Ok(value), "committed"),
-                Err(CommitFailure::Unknown) => {
-                    let err = RetryError::CommitUnknown {
-                        attempts: self.attempts,
-                        elapsed: self.started.elapsed(),
-                    };
-                    return self.done(Err(E::from(err)), "commit_unknown");
+            Ok(Step::Again(after)) => {
+                attempt.tx.roll_back(timeout).await;
+                drop(attempt);
+                // Not a failure: the attempt is not charged to the budget.
+                self.attempts -= 1;
+                if !after.is_zero() {
+                    tokio::time::sleep(after).await;
                 }
-                Err(CommitFailure::RolledBack) => {
-                    return self.done(Err(E::from(RetryError::RolledBack)), "rolled_back")
+                return ControlFlow::Continue(());
+            }
+            Ok(Step::CommitAndContinue) => {
+                match attempt
+                    .tx
+                    .commit(timeout)
+                    .instrument(self.span.clone())
+                    .await
+                {
+                    Ok(()) => {
+                        self.attempts -= 1;
+                        return ControlFlow::Continue(());
+                    }
+                    // The next attempt reads what happened.
+                    Err(CommitFailure::Unknown) => RetryCause::ConnectionLost,
+                    Err(failure) => {
+                        return self.commit_failed(failure);
+                    }
                 }
-                Err(CommitFailure::Failed(err)) => match err.transient() {
-                    Some(cause) if self.policy.replays(cause) => cause,
-                    _ => return self.done(Err(E::from(RetryError::Commit(err))), "commit_failed"),
-                },
-            },
+            }
+            Ok(Step::Commit(value)) => {
+                match attempt
+                    .tx
+                    .commit(timeout)
+                    .instrument(self.span.clone())
+                    .await
+                {
+                    Ok(()) => return self.done(Ok(value), "committed"),
+                    Err(CommitFailure::Failed(err))
+                        if err.transient().is_some_and(|c| self.policy.replays(c)) =>
+                    {
+                        err.transient().unwrap_or(RetryCause::SerializationFailure)
+                    }
+                    Err(failure) => return self.commit_failed(failure),
+                }
+            }
             Err(err) => {
-                self.roll_back(&mut attempt).await;
+                attempt
+                    .tx
+                    .roll_back(timeout)
+                    .instrument(self.span.clone())
+                    .await;
                 match err.transient() {
                     Some(cause) if self.policy.replays(cause) => cause,
                     _ => return self.done(Err(err), "failed"),
@@ -383,6 +287,24 @@ impl<'p> RetryLoop<'p> {
             ControlFlow::Continue(()) => ControlFlow::Continue(()),
             ControlFlow::Break(exhausted) => self.done(Err(E::from(exhausted)), "exhausted"),
         }
+    }
+
+    fn commit_failed<T, E: From<RetryError>>(
+        &self,
+        failure: CommitFailure,
+    ) -> ControlFlow<Result<T, E>> {
+        let (err, label) = match failure {
+            CommitFailure::Unknown => (
+                RetryError::CommitUnknown {
+                    attempts: self.attempts,
+                    elapsed: self.started.elapsed(),
+                },
+                "commit_unknown",
+            ),
+            CommitFailure::RolledBack => (RetryError::RolledBack, "rolled_back"),
+            CommitFailure::Failed(err) => (RetryError::Commit(err), "commit_failed"),
+        };
+        self.done(Err(E::from(err)), label)
     }
 
     fn done<T, E>(&self, outcome: Result<T, E>, label: &'static str) -> ControlFlow<Result<T, E>> {
@@ -400,7 +322,7 @@ impl<'p> RetryLoop<'p> {
         {
             metrics::histogram!("idem_retry_attempts", "function" => self.name, "outcome" => label)
                 .record(self.attempts as f64);
-            let succeeded = label == "committed" || label == "read_only";
+            let succeeded = label == "committed" || label == "answered";
             if succeeded && self.attempts > 1 {
                 metrics::counter!("idem_retry_success_after_retry_total", "function" => self.name)
                     .increment(1);
@@ -408,10 +330,17 @@ impl<'p> RetryLoop<'p> {
         }
     }
 
-    /// A checkout that failed ends the call.
-    async fn check_out(&mut self) -> Result<PooledConnection, RetryError> {
+    /// A checkout. `None`: the pool could not set up a new connection (the
+    /// server went away, say), which another try may fix; a pool that has no
+    /// connection free in time ends the call.
+    async fn check_out(&mut self) -> Result<Option<PooledConnection>, RetryError> {
+        use deadpool::managed::PoolError;
         match self.pool.get().instrument(self.span.clone()).await {
-            Ok(conn) => Ok(conn),
+            Ok(conn) => Ok(Some(conn)),
+            Err(PoolError::Backend(err)) => {
+                tracing::info!(parent: &self.span, error = %err, "could not set up a connection");
+                Ok(None)
+            }
             Err(err) => {
                 self.record_end("pool_error");
                 Err(RetryError::Pool(err))
@@ -446,125 +375,6 @@ impl<'p> RetryLoop<'p> {
         tokio::time::sleep(sleep).await;
         ControlFlow::Continue(())
     }
-
-    async fn commit(&self, attempt: &mut Attempt) -> Result<(), CommitFailure> {
-        let pre_commit = attempt.pre_commit.take();
-        let conn: &mut AsyncPgConnection = attempt.conn();
-        let both = async move {
-            match pre_commit {
-                None => conn.batch_execute(COMMIT_IF_HEALTHY).await,
-                Some(PreCommitStep::Sql(sql)) => {
-                    conn.batch_execute(&format!("{sql}; COMMIT")).await
-                }
-                // Awaited first: a statement still to be prepared would
-                // otherwise be overtaken by the COMMIT.
-                Some(PreCommitStep::Statement(statement)) => {
-                    statement.run(&*conn).await?;
-                    conn.batch_execute(COMMIT_IF_HEALTHY).await
-                }
-            }
-        };
-        let sent = tokio::time::timeout(self.policy.commit_timeout, both)
-            .instrument(self.span.clone())
-            .await;
-        match sent {
-            Ok(Ok(())) => {
-                attempt.open = false;
-                if !forget_transaction(attempt.conn()) {
-                    attempt.discard();
-                }
-                Ok(())
-            }
-            Err(_elapsed) => {
-                tracing::warn!(parent: &self.span, "COMMIT got no answer in {:?}; outcome unknown", self.policy.commit_timeout);
-                attempt.discard();
-                Err(CommitFailure::Unknown)
-            }
-            Ok(Err(err)) if err.transient() == Some(RetryCause::ConnectionLost) => {
-                tracing::warn!(parent: &self.span, error = %err, "connection failed during COMMIT; outcome unknown");
-                attempt.discard();
-                Err(CommitFailure::Unknown)
-            }
-            Ok(Err(err)) => {
-                let swallowed = is_in_failed_transaction(&err);
-                self.roll_back(attempt).await;
-                Err(if swallowed {
-                    CommitFailure::RolledBack
-                } else {
-                    CommitFailure::Failed(err)
-                })
-            }
-        }
-    }
-
-    /// Roll back, or discard the connection when that fails: either way the
-    /// transaction is gone. A failing rollback is logged, never returned, so it
-    /// cannot hide the error that caused it.
-    async fn roll_back(&self, attempt: &mut Attempt) {
-        if attempt.conn.is_none() {
-            return;
-        }
-        let rolled_back = tokio::time::timeout(
-            self.policy.commit_timeout,
-            AnsiTransactionManager::rollback_transaction(attempt.conn()),
-        )
-        .instrument(self.span.clone())
-        .await;
-        match rolled_back {
-            Ok(Ok(())) if in_transaction(attempt.conn()) == Some(false) => attempt.open = false,
-            Ok(Ok(())) => attempt.discard(),
-            Ok(Err(err)) => {
-                tracing::warn!(parent: &self.span, error = %err, "ROLLBACK failed; discarding the connection");
-                attempt.discard();
-            }
-            Err(_elapsed) => {
-                tracing::warn!(parent: &self.span, "ROLLBACK got no answer; discarding the connection");
-                attempt.discard();
-            }
-        }
-    }
-}
-
-/// End a read-only attempt's transaction without making the caller wait: the
-/// connection goes back to the pool once `ROLLBACK` is answered, or is closed
-/// when that fails. Nothing was written, so nothing can be lost.
-fn end_in_background(mut attempt: Attempt) {
-    let Some(mut conn) = attempt.conn.take() else {
-        return;
-    };
-    attempt.open = false;
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => {
-            runtime.spawn(async move {
-                let rolled_back = AnsiTransactionManager::rollback_transaction(&mut *conn).await;
-                if rolled_back.is_err() || in_transaction(&mut conn) != Some(false) {
-                    drop(Object::take(conn));
-                }
-            });
-        }
-        Err(_) => drop(Object::take(conn)),
-    }
-}
-
-/// Tell diesel's transaction manager that the transaction it began is over,
-/// since the `COMMIT` was sent around it. False when its state does not fit.
-fn forget_transaction(conn: &mut AsyncPgConnection) -> bool {
-    match AnsiTransactionManager::transaction_manager_status_mut(conn) {
-        TransactionManagerStatus::Valid(status) => {
-            status
-                .change_transaction_depth(TransactionDepthChange::DecreaseDepth)
-                .is_ok()
-                && status.transaction_depth().is_none()
-        }
-        TransactionManagerStatus::InError => false,
-    }
-}
-
-fn in_transaction(conn: &mut AsyncPgConnection) -> Option<bool> {
-    match AnsiTransactionManager::transaction_manager_status_mut(conn) {
-        TransactionManagerStatus::Valid(status) => Some(status.transaction_depth().is_some()),
-        TransactionManagerStatus::InError => None,
-    }
 }
 
 // The loop's futures must be Send, or no multi-threaded server could await them.
@@ -574,7 +384,7 @@ fn assert_send(pool: &Pool) {
     send(async move {
         let mut retry_loop = RetryLoop::new(pool, RetryPolicy::new(), "assert_send");
         let attempt = retry_loop.begin().await?;
-        let result: Result<(), RetryError> = Ok(());
+        let result: Result<Step<()>, RetryError> = Ok(Step::Commit(()));
         match retry_loop.finish(attempt, result).await {
             ControlFlow::Break(outcome) => outcome,
             ControlFlow::Continue(()) => Ok(()),

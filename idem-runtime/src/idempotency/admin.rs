@@ -1,0 +1,114 @@
+//! What operators and reapers do with idempotency records outside any
+//! request: purge expired records, settle an outcome-unknown one.
+
+use diesel::sql_types::{BigInt, Binary, Jsonb, Nullable, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde::Serialize;
+
+use super::store;
+use super::IdempotencyError;
+use crate::pool::Pool;
+
+/// What [`purge_expired`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PurgeReport {
+    /// Completed records past their retention, deleted.
+    pub deleted: u64,
+    /// In-progress records whose lease ran out, now marked outcome unknown.
+    pub marked_unknown: u64,
+    /// Records in outcome unknown, kept until settled.
+    pub unknown: u64,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// Delete completed records past their retention, `batch` rows per
+/// statement; mark in-progress records whose lease ran out as outcome
+/// unknown. In-progress and unknown records are never deleted.
+pub async fn purge_expired(
+    conn: &mut AsyncPgConnection,
+    batch: i64,
+) -> diesel::QueryResult<PurgeReport> {
+    let mut report = PurgeReport::default();
+    loop {
+        let deleted = diesel::sql_query(store::PURGE_BATCH)
+            .bind::<BigInt, _>(batch.max(1))
+            .execute(conn)
+            .await? as u64;
+        report.deleted += deleted;
+        if deleted == 0 {
+            break;
+        }
+    }
+    report.marked_unknown = diesel::sql_query(store::EXPIRE_LEASES)
+        .execute(conn)
+        .await? as u64;
+    report.unknown = diesel::sql_query(store::COUNT_UNKNOWN)
+        .get_result::<Count>(conn)
+        .await?
+        .n as u64;
+    Ok(report)
+}
+
+/// How [`settle`] decides a record whose outcome was unknown.
+#[derive(Debug, Clone)]
+pub enum Settlement {
+    /// The target system did it: store this response and replay it from now on.
+    Completed(serde_json::Value),
+    /// The target system did not: release the key, so a retry runs again.
+    Released,
+}
+
+/// Decide an outcome-unknown (or stuck in-progress) record after checking
+/// with the target system. `scope` is the scope value, as the function's
+/// `scope = ..` gives it (`&()` for none). Returns false when there was no
+/// such record.
+///
+/// ```no_run
+/// use idem_runtime::idempotency::{settle, Settlement};
+/// # async fn demo(pool: &idem_runtime::Pool) -> Result<(), Box<dyn std::error::Error>> {
+/// let tenant = 7_i64;
+/// let released = settle(pool, &(tenant,), "refund-1001", Settlement::Released).await?;
+/// # let _ = released; Ok(()) }
+/// ```
+pub async fn settle<S: Serialize + ?Sized>(
+    pool: &Pool,
+    scope: &S,
+    key: &str,
+    settlement: Settlement,
+) -> Result<bool, IdempotencyError> {
+    let scope =
+        serde_json::to_string(scope).map_err(|source| IdempotencyError::Unserializable {
+            what: "the scope".to_owned(),
+            source,
+        })?;
+    let mut conn = pool.get().await.map_err(|e| {
+        IdempotencyError::Database(diesel::result::Error::DatabaseError(
+            diesel::result::DatabaseErrorKind::UnableToSendCommand,
+            Box::new(format!("could not check out a connection: {e}")),
+        ))
+    })?;
+    let n = match settlement {
+        Settlement::Completed(response) => {
+            diesel::sql_query(store::SETTLE_COMPLETED)
+                .bind::<Text, _>(&scope)
+                .bind::<Text, _>(key)
+                .bind::<Jsonb, _>(response)
+                .execute(&mut *conn)
+                .await?
+        }
+        Settlement::Released => {
+            diesel::sql_query(store::RELEASE)
+                .bind::<Text, _>(&scope)
+                .bind::<Text, _>(key)
+                .bind::<Nullable<Binary>, _>(None::<&[u8]>)
+                .execute(&mut *conn)
+                .await?
+        }
+    };
+    Ok(n == 1)
+}

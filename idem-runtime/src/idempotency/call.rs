@@ -1,0 +1,318 @@
+//! One call of an idempotent function, in both modes, as steps of the retry
+//! loop: [`Call::enter`] at the start of every attempt, [`Call::leave`] with
+//! the body's result, [`Call::end`] with the loop's. Each returns a typed
+//! [`Step`] or answer; nothing is signalled through fake errors.
+//!
+//! * local mode: the claim, the body and the record share the attempt's
+//!   transaction. A replay answers from the claim's read and ends its
+//!   transaction in the background. A final error rolls the attempt back and
+//!   the next attempt stores it under the claim, without the body's writes.
+//! * external mode: the first attempt commits the claim, with this call's
+//!   owner token; the next ones run the body and record its outcome in the
+//!   body's transaction. A claim whose commit went unanswered is found again
+//!   by its token and resumed. After a failure the claim is released (nothing
+//!   was sent) or kept as outcome unknown, by a bounded statement.
+//!
+//! Every step runs inside the retry loop, so checkout, claim, record and the
+//! storing of a final error share the body's budget and classification.
+
+use std::time::{Duration, Instant};
+
+use diesel::sql_types::{Binary, Nullable, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::request::{Claimed, Found, Request};
+use super::store::{self, Record};
+use super::{IdempotencyError, Idempotent, IdempotentError};
+use crate::pool::Pool;
+use crate::retry::{Isolation, Step};
+use crate::tx::Tx;
+
+/// How often a duplicate that may wait looks at the first request again.
+const WAIT_POLL: Duration = Duration::from_millis(20);
+
+/// One call of an idempotent function.
+pub struct Call<E> {
+    request: Request,
+    /// External mode: this call holds the committed claim.
+    claimed: bool,
+    /// The body ran at least once (external mode: something may have been sent).
+    body_ran: bool,
+    /// A final error of the body, to store (without the body's writes) in
+    /// the next attempt, with its stored form.
+    pending_final: Option<(E, serde_json::Value)>,
+    /// Until when a duplicate waits for an in-progress first request.
+    wait_until: Instant,
+}
+
+/// What an attempt of an idempotent call answers, before it becomes the
+/// caller's `Result<Idempotent<V>, E>` in [`Call::end`].
+#[derive(Debug)]
+pub enum Reply<V, F> {
+    /// The body ran and its response was recorded.
+    Fresh(V),
+    /// The stored outcome of an earlier request with the key.
+    Replayed(Result<V, F>),
+    /// The pending final error was stored.
+    FinalStored,
+}
+
+type StepOf<V, E> = Step<Reply<V, <E as IdempotentError>::Final>>;
+
+// The bounds sit on the methods, not on the impl: a missing
+// `IdempotentError` is then one E0277 at the function, not one per method.
+impl<E> Call<E> {
+    /// A call of `request`.
+    pub fn new(request: Request) -> Self
+    where
+        E: IdempotentError,
+    {
+        let wait_until = Instant::now() + request.config.wait;
+        Call {
+            request,
+            claimed: false,
+            body_ran: false,
+            pending_final: None,
+            wait_until,
+        }
+    }
+
+    /// The request.
+    pub fn request(&self) -> &Request {
+        &self.request
+    }
+
+    /// The first step of every attempt. `None`: run the body now.
+    pub async fn enter<V: DeserializeOwned>(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+    ) -> Option<Result<StepOf<V, E>, E>>
+    where
+        E: IdempotentError,
+    {
+        let external = self.request.external();
+        if let Some((_, stored)) = &self.pending_final {
+            // External: the claim is this call's; local: claim it again.
+            if !external {
+                match self.request.claim(conn).await {
+                    Ok(Claimed::Owned) => {}
+                    Ok(Claimed::Found(found)) => return Some(self.found(found)),
+                    Err(e) => return Some(Err(db(e))),
+                }
+            }
+            return Some(
+                self.record(conn, store::ERROR, stored)
+                    .await
+                    .map(|()| Step::Commit(Reply::FinalStored)),
+            );
+        }
+        if self.claimed {
+            self.body_ran = true;
+            return None;
+        }
+        match self.request.claim(conn).await {
+            Ok(Claimed::Owned) if external => {
+                self.claimed = true;
+                Some(Ok(Step::CommitAndContinue))
+            }
+            Ok(Claimed::Owned) | Ok(Claimed::Found(Found::Mine)) => {
+                self.claimed = external;
+                self.body_ran = true;
+                None
+            }
+            Ok(Claimed::Found(found)) => Some(self.found(found)),
+            Err(e) => Some(Err(db(e))),
+        }
+    }
+
+    /// What a record found by the claim answers.
+    fn found<V: DeserializeOwned>(&self, found: Found) -> Result<StepOf<V, E>, E>
+    where
+        E: IdempotentError,
+    {
+        match found {
+            Found::Replay(outcome, response) => replay::<V, E>(outcome.as_deref(), response)
+                .map(|r| Step::Answer(Reply::Replayed(r))),
+            Found::Refused(IdempotencyError::InProgress) if Instant::now() < self.wait_until => {
+                Ok(Step::Again(WAIT_POLL.min(self.wait_until - Instant::now())))
+            }
+            Found::Refused(err) => Err(E::from(err)),
+            // The record the claim met is gone (expired and purged) or was
+            // this call's own: claim again in a fresh attempt.
+            Found::New | Found::Mine => Ok(Step::Again(Duration::ZERO)),
+        }
+    }
+
+    /// The step after the body: record a success with the attempt's writes,
+    /// set a final error aside to store in the next attempt, hand any other
+    /// error to the loop.
+    pub async fn leave<V: Serialize>(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        outcome: Result<V, E>,
+    ) -> Result<StepOf<V, E>, E>
+    where
+        E: IdempotentError,
+    {
+        match outcome {
+            Ok(value) => {
+                let response = self.request.response(&value).map_err(E::from)?;
+                self.record(conn, store::OK, &response).await?;
+                Ok(Step::Commit(Reply::Fresh(value)))
+            }
+            Err(err) => match err.to_final() {
+                Some(stored) => {
+                    let stored = self.request.response(&stored).map_err(E::from)?;
+                    self.pending_final = Some((err, stored));
+                    Ok(Step::Again(Duration::ZERO))
+                }
+                None => Err(err),
+            },
+        }
+    }
+
+    /// Complete this call's claim with `response`, bound as a parameter.
+    async fn record(
+        &self,
+        conn: &mut AsyncPgConnection,
+        outcome: &str,
+        response: &serde_json::Value,
+    ) -> Result<(), E>
+    where
+        E: IdempotentError,
+    {
+        let written = Record {
+            scope: self.request.scope(),
+            key: self.request.key(),
+            outcome,
+            response,
+            owner: self.request.owner(),
+        }
+        .execute(conn)
+        .await
+        .map_err(db::<E>)?;
+        match written {
+            1 => Ok(()),
+            // The claim was settled by hand, or its lease ran out and another
+            // request took the key: an effect whose record cannot be kept
+            // must not commit.
+            _ => Err(E::from(IdempotencyError::ClaimLost)),
+        }
+    }
+
+    /// The caller's answer from the loop's, and, in external mode after a
+    /// failure, the claim released or kept as outcome unknown. `timeout`
+    /// bounds that last statement, row-lock waits included.
+    pub async fn end<V>(
+        self,
+        pool: &Pool,
+        timeout: Duration,
+        outcome: Result<Reply<V, E::Final>, E>,
+    ) -> Result<Idempotent<V>, E>
+    where
+        E: IdempotentError,
+    {
+        let err = match outcome {
+            Ok(Reply::Fresh(value)) => {
+                return Ok(Idempotent {
+                    value,
+                    replayed: false,
+                })
+            }
+            Ok(Reply::Replayed(Ok(value))) => {
+                return Ok(Idempotent {
+                    value,
+                    replayed: true,
+                })
+            }
+            Ok(Reply::Replayed(Err(stored))) => return Err(E::from_final(stored)),
+            Ok(Reply::FinalStored) => match self.pending_final {
+                Some((err, _)) => return Err(err),
+                None => unreachable!("FinalStored only follows a pending final error"),
+            },
+            Err(err) => err,
+        };
+        let Call {
+            request,
+            claimed,
+            body_ran,
+            pending_final,
+            ..
+        } = self;
+        // A final error whose storing failed still is the answer: the body's
+        // writes were rolled back, and the next request runs again.
+        let (err, nothing_happened) = match pending_final {
+            Some((final_err, _)) => (final_err, true),
+            None => {
+                let nothing = !body_ran || err.nothing_sent();
+                (err, nothing)
+            }
+        };
+        if claimed {
+            let statement = if nothing_happened {
+                store::RELEASE
+            } else {
+                store::MARK_UNKNOWN
+            };
+            if let Err(e) = settle_claim(pool, timeout, &request, statement).await {
+                tracing::error!(key = %request.key(), error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown");
+            }
+        }
+        Err(err)
+    }
+}
+
+/// Run one statement on this call's claim in a short transaction whose row
+/// lock waits and whole duration are bounded by `timeout`: the row may still
+/// be locked by an attempt whose COMMIT went unanswered.
+async fn settle_claim(
+    pool: &Pool,
+    timeout: Duration,
+    request: &Request,
+    statement: &'static str,
+) -> Result<(), String> {
+    let millis = timeout.as_millis().clamp(1, i32::MAX as u128);
+    let work = async {
+        let conn = pool.get().await.map_err(|e| e.to_string())?;
+        let mut tx = Tx::begin(conn, Isolation::ReadCommitted)
+            .await
+            .map_err(|e| e.0.to_string())?;
+        // An integer, formatted: nothing of the request is in this SQL.
+        tx.conn()
+            .batch_execute(&format!(
+                "SET LOCAL lock_timeout = {millis}; SET LOCAL statement_timeout = {millis}"
+            ))
+            .await
+            .map_err(|e| e.to_string())?;
+        diesel::sql_query(statement)
+            .bind::<Text, _>(request.scope())
+            .bind::<Text, _>(request.key())
+            .bind::<Nullable<Binary>, _>(request.owner())
+            .execute(tx.conn())
+            .await
+            .map_err(|e| e.to_string())?;
+        tx.commit(timeout).await.map_err(|e| format!("{e:?}"))
+    };
+    match tokio::time::timeout(timeout, work).await {
+        Ok(result) => result,
+        Err(_) => Err(format!("no answer within {timeout:?}")),
+    }
+}
+
+fn db<E: IdempotentError>(e: diesel::result::Error) -> E {
+    E::from(IdempotencyError::Database(e))
+}
+
+fn replay<V: DeserializeOwned, E: IdempotentError>(
+    outcome: Option<&str>,
+    response: Option<serde_json::Value>,
+) -> Result<Result<V, E::Final>, E> {
+    let response = response.unwrap_or(serde_json::Value::Null);
+    let read = match outcome {
+        Some(store::ERROR) => serde_json::from_value::<E::Final>(response).map(Err),
+        _ => serde_json::from_value::<V>(response).map(Ok),
+    };
+    read.map_err(|e| E::from(IdempotencyError::UnreadableResponse(e)))
+}

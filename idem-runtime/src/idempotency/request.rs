@@ -1,0 +1,263 @@
+//! One idempotent request: its key space, key, operation and fingerprint,
+//! validated before anything is written, and what a stored record means for
+//! it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use diesel::prelude::*;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use super::store::{self, Claim, ClaimOrRead, Read};
+use super::{
+    derived_key, fingerprint, validate_key, Field, IdempotencyConfig, IdempotencyError, Mode,
+};
+
+/// One idempotent request, validated.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub(crate) config: IdempotencyConfig,
+    scope: String,
+    key: String,
+    operation: String,
+    fingerprint: [u8; 32],
+    /// External mode: this call's token on its claim.
+    owner: [u8; 16],
+}
+
+/// A row of `idem_requests` as a request reads it.
+#[derive(Queryable)]
+pub(crate) struct Stored {
+    operation: String,
+    fingerprint: Vec<u8>,
+    state: String,
+    outcome: Option<String>,
+    response: Option<serde_json::Value>,
+    lease_expired: Option<bool>,
+    expired: bool,
+    owner: Option<Vec<u8>>,
+}
+
+/// What a record means for a request.
+pub(crate) enum Found {
+    /// No live record: the request is new.
+    New,
+    /// This request's own claim (external mode, its answer was lost).
+    Mine,
+    /// A completed record: its outcome (`ok` / `error`) and response.
+    Replay(Option<String>, Option<serde_json::Value>),
+    /// The answer is a refusal.
+    Refused(IdempotencyError),
+}
+
+/// What the claim statement found.
+pub(crate) enum Claimed {
+    /// This request now owns the key.
+    Owned,
+    /// A record was there.
+    Found(Found),
+}
+
+impl Request {
+    /// Validate and build a request. `key` is the caller's key (`Some(None)`:
+    /// one was required but missing), or `None` to derive it from scope,
+    /// operation and fingerprint.
+    pub fn new(
+        config: IdempotencyConfig,
+        operation: &str,
+        key: Option<Option<&str>>,
+        scope: &impl Serialize,
+        fields: &[Field],
+    ) -> Result<Request, IdempotencyError> {
+        let scope =
+            serde_json::to_string(scope).map_err(|source| IdempotencyError::Unserializable {
+                what: "the scope".to_owned(),
+                source,
+            })?;
+        let fingerprint = fingerprint::fingerprint(fields);
+        let key = match key {
+            Some(Some(key)) => {
+                validate_key(key)?;
+                key.to_owned()
+            }
+            Some(None) => return Err(IdempotencyError::MissingKey),
+            None => derived_key(&scope, operation, &fingerprint),
+        };
+        Ok(Request {
+            config,
+            scope,
+            key,
+            operation: operation.to_owned(),
+            fingerprint,
+            owner: owner_token(),
+        })
+    }
+
+    /// The key (given or derived).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The scope, as stored (compact JSON of the scope values).
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &IdempotencyConfig {
+        &self.config
+    }
+
+    pub(crate) fn external(&self) -> bool {
+        self.config.mode == Mode::External
+    }
+
+    /// The owner token of this call's claim (external mode).
+    pub(crate) fn owner(&self) -> Option<&[u8]> {
+        self.external().then_some(&self.owner[..])
+    }
+
+    fn claim_statement(&self) -> Claim<'_> {
+        Claim {
+            scope: &self.scope,
+            key: &self.key,
+            operation: &self.operation,
+            fingerprint: &self.fingerprint,
+            mode: self.config.mode.as_str(),
+            ttl_micros: micros(self.config.ttl),
+            lease_micros: self.external().then(|| micros(self.config.lease)),
+            owner: self.owner(),
+        }
+    }
+
+    /// Claim the key, or read the record that holds it, in one statement.
+    ///
+    /// The claim leaves a live record it sees alone (no lock). Against a
+    /// concurrent first request whose claim is not committed yet, it waits for
+    /// that transaction; once it committed, the record is read again (the next
+    /// READ COMMITTED statement sees it).
+    pub(crate) async fn claim(&self, conn: &mut AsyncPgConnection) -> QueryResult<Claimed> {
+        let row: ClaimedOrSeen = ClaimOrRead(self.claim_statement()).get_result(conn).await?;
+        let (claimed, seen) = row.split();
+        if claimed.is_some() {
+            return Ok(Claimed::Owned);
+        }
+        if let Some(stored) = seen {
+            match self.judge(stored) {
+                Found::New => {}
+                found => return Ok(Claimed::Found(found)),
+            }
+        }
+        // The read came too early to see the record the claim met.
+        let stored = Read {
+            scope: &self.scope,
+            key: &self.key,
+        }
+        .get_result::<Stored>(conn)
+        .await
+        .optional()?;
+        Ok(Claimed::Found(stored.map_or(Found::New, |s| self.judge(s))))
+    }
+
+    /// What an existing record means for this request.
+    pub(crate) fn judge(&self, stored: Stored) -> Found {
+        if stored.state == store::COMPLETED && stored.expired {
+            return Found::New;
+        }
+        // Compare the request before anything else: a different request must
+        // not even learn whether the first one finished.
+        if stored.operation != self.operation || stored.fingerprint != self.fingerprint {
+            return Found::Refused(IdempotencyError::FingerprintMismatch);
+        }
+        let mine = self.owner().is_some() && stored.owner.as_deref() == self.owner();
+        match stored.state.as_str() {
+            store::COMPLETED => Found::Replay(stored.outcome, stored.response),
+            store::IN_PROGRESS if mine => Found::Mine,
+            store::IN_PROGRESS if stored.lease_expired != Some(true) => {
+                Found::Refused(IdempotencyError::InProgress)
+            }
+            // Unknown, or in progress past its lease: never an automatic re-run.
+            _ => Found::Refused(IdempotencyError::OutcomeUnknown),
+        }
+    }
+
+    /// The stored form of a response or final error, within the size limit.
+    pub(crate) fn response(
+        &self,
+        value: &impl Serialize,
+    ) -> Result<serde_json::Value, IdempotencyError> {
+        let response =
+            serde_json::to_value(value).map_err(|source| IdempotencyError::Unserializable {
+                what: "the response".to_owned(),
+                source,
+            })?;
+        let size = serde_json::to_vec(&response)
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX);
+        if size > self.config.max_response_bytes {
+            return Err(IdempotencyError::ResponseTooLarge {
+                size,
+                limit: self.config.max_response_bytes,
+            });
+        }
+        Ok(response)
+    }
+}
+
+/// The row [`ClaimOrRead`] returns: whether the claim inserted, and the
+/// record it saw, if any.
+#[derive(Queryable)]
+struct ClaimedOrSeen {
+    claimed: Option<bool>,
+    operation: Option<String>,
+    fingerprint: Option<Vec<u8>>,
+    state: Option<String>,
+    outcome: Option<String>,
+    response: Option<serde_json::Value>,
+    lease_expired: Option<bool>,
+    expired: Option<bool>,
+    owner: Option<Vec<u8>>,
+}
+
+impl ClaimedOrSeen {
+    fn split(self) -> (Option<bool>, Option<Stored>) {
+        let seen = match (self.operation, self.fingerprint, self.state, self.expired) {
+            (Some(operation), Some(fingerprint), Some(state), Some(expired)) => Some(Stored {
+                operation,
+                fingerprint,
+                state,
+                outcome: self.outcome,
+                response: self.response,
+                lease_expired: self.lease_expired,
+                expired,
+                owner: self.owner,
+            }),
+            _ => None,
+        };
+        (self.claimed, seen)
+    }
+}
+
+pub(crate) fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// A token no other call holds: a hash of the process, the time and a
+/// counter. Unguessability is not needed (the token only tells a call's own
+/// claim apart), uniqueness is.
+fn owner_token() -> [u8; 16] {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = Sha256::new();
+    hasher.update(std::process::id().to_le_bytes());
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    hasher.update(now.as_nanos().to_le_bytes());
+    hasher.update(COUNTER.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    let digest = hasher.finalize();
+    let mut token = [0; 16];
+    token.copy_from_slice(&digest[..16]);
+    token
+}

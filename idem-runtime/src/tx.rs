@@ -1,0 +1,270 @@
+//! The transaction driver: one database transaction on one pooled
+//! connection, from `BEGIN` to the classified end of its `COMMIT`.
+//!
+//! Everything PostgreSQL- and diesel-async-specific about a transaction's
+//! life lives here, and only here: how it begins (with its isolation level),
+//! how it commits (and what an error, a silence or a lost connection during
+//! `COMMIT` means), how it rolls back, and what happens to a connection whose
+//! transaction was abandoned. The retry loop above it only decides whether to
+//! go again; a second backend would plug in at this module.
+//!
+//! Only diesel-async's supported hooks are used: `begin_transaction_sql`,
+//! `commit_transaction` and `rollback_transaction` keep diesel's own
+//! transaction depth right (so a `conn.transaction(..)` inside a body becomes
+//! a savepoint), and a per-transaction [`Instrumentation`] sees every
+//! statement that failed. PostgreSQL answers `COMMIT` in a transaction whose
+//! statement failed with a silent `ROLLBACK`; the watch is how a body that
+//! swallowed such an error is caught before `COMMIT` is sent.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use diesel::connection::{Instrumentation, InstrumentationEvent};
+use diesel::result::Error as DieselError;
+use diesel_async::pooled_connection::deadpool::Object;
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
+};
+
+use crate::pool::PooledConnection;
+use crate::retry::{Isolation, RetryCause, Transient};
+
+/// One open transaction. Dropping it while open (the caller's future was
+/// cancelled) cancels the statement the server may still run for it and
+/// closes the connection, so no connection goes back to the pool idle in a
+/// transaction, and no row lock outlives the caller.
+pub(crate) struct Tx {
+    conn: Option<PooledConnection>,
+    open: bool,
+    watch: Arc<Mutex<WatchState>>,
+}
+
+/// How a `COMMIT` ended, when it did not commit for certain.
+#[derive(Debug)]
+pub(crate) enum CommitFailure {
+    /// The connection failed, or went silent, while `COMMIT` was in flight:
+    /// the transaction may or may not have committed.
+    Unknown,
+    /// A statement of the transaction had failed and its error was ignored:
+    /// the transaction was rolled back instead of being committed.
+    RolledBack,
+    /// `COMMIT` was answered with an error: nothing was committed.
+    Failed(DieselError),
+}
+
+/// Why `BEGIN` failed; the connection is already discarded.
+pub(crate) struct BeginFailure(pub(crate) DieselError);
+
+impl Tx {
+    /// `BEGIN` with `isolation` on a connection fresh from the pool.
+    pub(crate) async fn begin(
+        mut conn: PooledConnection,
+        isolation: Isolation,
+    ) -> Result<Tx, BeginFailure> {
+        let watch = Arc::new(Mutex::new(WatchState::default()));
+        AsyncConnection::set_instrumentation(
+            &mut *conn,
+            Watch {
+                state: Arc::clone(&watch),
+                inner: diesel::connection::get_default_instrumentation(),
+            },
+        );
+        let mut tx = Tx {
+            conn: Some(conn),
+            open: false,
+            watch,
+        };
+        match AnsiTransactionManager::begin_transaction_sql(tx.conn(), isolation.begin_sql()).await
+        {
+            Ok(()) => {
+                tx.open = true;
+                Ok(tx)
+            }
+            Err(err) => {
+                tx.discard();
+                Err(BeginFailure(err))
+            }
+        }
+    }
+
+    /// The connection the transaction runs on.
+    ///
+    /// # Panics
+    /// After the connection was discarded, which only the ending methods do,
+    /// and they consume or close the transaction.
+    pub(crate) fn conn(&mut self) -> &mut AsyncPgConnection {
+        self.conn
+            .as_mut()
+            .expect("a transaction's connection is only discarded when it ends")
+    }
+
+    /// Commit, unless a statement failed unnoticed; `timeout` bounds the wait
+    /// for the server's answer.
+    pub(crate) async fn commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
+        if self.watch_failed() {
+            self.roll_back(timeout).await;
+            return Err(CommitFailure::RolledBack);
+        }
+        let committed = tokio::time::timeout(
+            timeout,
+            AnsiTransactionManager::commit_transaction(self.conn()),
+        )
+        .await;
+        match committed {
+            Ok(Ok(())) => {
+                self.open = false;
+                Ok(())
+            }
+            Err(_elapsed) => {
+                tracing::warn!("COMMIT got no answer in {timeout:?}; outcome unknown");
+                self.cancel_and_discard();
+                Err(CommitFailure::Unknown)
+            }
+            Ok(Err(err)) if err.transient() == Some(RetryCause::ConnectionLost) => {
+                tracing::warn!(error = %err, "connection failed during COMMIT; outcome unknown");
+                self.discard();
+                Err(CommitFailure::Unknown)
+            }
+            Ok(Err(err)) => {
+                // A COMMIT answered with an error ends the transaction on the
+                // server, and diesel-async has counted it as ended.
+                self.open = false;
+                Err(CommitFailure::Failed(err))
+            }
+        }
+    }
+
+    /// Roll back, or discard the connection when that fails or goes
+    /// unanswered: either way the transaction is gone. A failing rollback is
+    /// logged, never returned, so it cannot hide the error that caused it.
+    pub(crate) async fn roll_back(&mut self, timeout: Duration) {
+        if !self.open {
+            return;
+        }
+        let rolled_back = tokio::time::timeout(
+            timeout,
+            AnsiTransactionManager::rollback_transaction(self.conn()),
+        )
+        .await;
+        match rolled_back {
+            Ok(Ok(())) => self.open = false,
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "ROLLBACK failed; discarding the connection");
+                self.discard();
+            }
+            Err(_elapsed) => {
+                tracing::warn!("ROLLBACK got no answer; discarding the connection");
+                self.cancel_and_discard();
+            }
+        }
+    }
+
+    /// End a transaction that wrote nothing without making the caller wait:
+    /// the connection goes back to the pool once `ROLLBACK` is answered, or is
+    /// closed when that fails. Nothing was written, so nothing can be lost.
+    pub(crate) fn end_in_background(mut self, timeout: Duration) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move { self.roll_back(timeout).await });
+            }
+            Err(_) => self.discard(),
+        }
+    }
+
+    /// A statement of this transaction failed and no savepoint undid it.
+    fn watch_failed(&self) -> bool {
+        self.watch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .failed_at
+            .is_some()
+    }
+
+    /// Close the connection instead of returning it to the pool.
+    pub(crate) fn discard(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            drop(Object::take(conn));
+        }
+        self.open = false;
+    }
+
+    /// Cancel the statement the server may still be running for this
+    /// transaction, then close the connection.
+    ///
+    /// Closing the socket alone does not end a running statement: the backend
+    /// notices the closed connection only when it next writes to it, and keeps
+    /// its transaction and row locks until then (a `pg_sleep(60)` holds them a
+    /// minute). A cancel request, sent on a connection of its own, stops it at
+    /// once; the backend then reads the closed socket, rolls back and exits.
+    /// Best effort: without a Tokio runtime, or when the server refuses a
+    /// cancel request without TLS, the statement runs to its end.
+    pub(crate) fn cancel_and_discard(&mut self) {
+        if let Some(conn) = self.conn.as_ref() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let token = conn.cancel_token();
+                runtime.spawn(async move {
+                    if let Err(err) = token.cancel_query(tokio_postgres::NoTls).await {
+                        tracing::debug!(error = %err, "could not cancel the abandoned transaction's statement");
+                    }
+                });
+            }
+        }
+        self.discard();
+    }
+}
+
+impl Drop for Tx {
+    fn drop(&mut self) {
+        if self.open {
+            tracing::warn!("transaction dropped while open; closing its connection");
+            self.cancel_and_discard();
+        }
+    }
+}
+
+/// What the watch knows of the transaction: diesel's depth as its events
+/// tell it, and the shallowest depth at which a statement failed.
+#[derive(Debug, Default)]
+struct WatchState {
+    depth: u32,
+    failed_at: Option<u32>,
+}
+
+/// The instrumentation a transaction's connection carries while it is open;
+/// it forwards every event to the application's default instrumentation.
+struct Watch {
+    state: Arc<Mutex<WatchState>>,
+    inner: Option<Box<dyn Instrumentation>>,
+}
+
+impl Instrumentation for Watch {
+    fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+        {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            match &event {
+                InstrumentationEvent::BeginTransaction { depth, .. } => state.depth = depth.get(),
+                InstrumentationEvent::CommitTransaction { depth, .. } => {
+                    state.depth = depth.get() - 1;
+                }
+                InstrumentationEvent::RollbackTransaction { depth, .. } => {
+                    // Rolling back to a savepoint undoes failures inside it.
+                    if state.failed_at.is_some_and(|at| at >= depth.get()) {
+                        state.failed_at = None;
+                    }
+                    state.depth = depth.get() - 1;
+                }
+                InstrumentationEvent::FinishQuery {
+                    error: Some(DieselError::DatabaseError(..)),
+                    ..
+                } if state.depth > 0 => {
+                    let at = state.depth;
+                    state.failed_at = Some(state.failed_at.map_or(at, |f| f.min(at)));
+                }
+                _ => {}
+            }
+        }
+        if let Some(inner) = self.inner.as_mut() {
+            inner.on_connection_event(event);
+        }
+    }
+}
