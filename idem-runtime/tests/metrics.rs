@@ -305,8 +305,10 @@ async fn scenario(snapshotter: &Snapshotter) {
         ]),
     );
 
-    // 7. No connection to be had: the call still ends in the histogram
-    // (regression: a failed checkout recorded nothing).
+    // 7. No connection to be had: every attempt the budget allows tries to
+    // set one up (nothing ran, so trying again is safe), and the call still
+    // ends in the histogram with the pool's error (regression: a failed
+    // checkout recorded nothing).
     let unreachable = build_pool_with(
         "postgres://postgres@127.0.0.1:1/none",
         &PoolConfig {
@@ -323,7 +325,19 @@ async fn scenario(snapshotter: &Snapshotter) {
     assert_eq!(calls, 0);
     assert_eq!(
         take(snapshotter),
-        Metrics::from([attempts_histogram("no_server", "pool_error", &[1.0])]),
+        Metrics::from([
+            attempts_histogram("no_server", "pool_error", &[3.0]),
+            counter(
+                FAILED_ATTEMPTS,
+                &[("function", "no_server"), ("cause", "connection_lost")],
+                3,
+            ),
+            counter(
+                EXHAUSTED,
+                &[("function", "no_server"), ("cause", "connection_lost")],
+                1,
+            ),
+        ]),
     );
     drop(pool);
     drop(db);

@@ -16,7 +16,8 @@ use tracing::Instrument;
 use super::backoff;
 use super::{OnConflict, RetryCause, RetryError, RetryPolicy, Transient};
 use crate::attempt::{self, AttemptContext, ATTEMPT};
-use crate::pool::{Pool, PooledConnection};
+use crate::pool::Pool;
+use deadpool::managed::PoolError;
 use crate::tx::{CommitFailure, Tx};
 
 /// Run `body` as a retried transaction: the closure form of `#[retryable]`.
@@ -169,29 +170,43 @@ impl<'p> RetryLoop<'p> {
         }
         loop {
             self.attempts += 1;
-            let lost = match self.check_out().await? {
-                Some(conn) => {
-                    match Tx::begin(conn, self.policy.isolation)
-                        .instrument(self.span.clone())
-                        .await
+            let conn = match self.pool.get().instrument(self.span.clone()).await {
+                Ok(conn) => conn,
+                // The pool could not set up a new connection (the server went
+                // away, say): nothing ran, and another try may succeed. When
+                // the budget runs out the pool's own error is the answer.
+                Err(PoolError::Backend(err)) => {
+                    tracing::info!(parent: &self.span, error = %err, "could not set up a connection");
+                    if let ControlFlow::Break(_) = self.back_off(RetryCause::ConnectionLost).await {
+                        self.record_end("pool_error");
+                        return Err(RetryError::Pool(PoolError::Backend(err)));
+                    }
+                    continue;
+                }
+                Err(err) => {
+                    self.record_end("pool_error");
+                    return Err(RetryError::Pool(err));
+                }
+            };
+            match Tx::begin(conn, self.policy.isolation)
+                .instrument(self.span.clone())
+                .await
+            {
+                Ok(tx) => return Ok(Attempt { tx }),
+                // A connection that broke while idle in the pool: nothing ran
+                // yet, so another connection is always safe to try.
+                Err(failure) if failure.0.transient() == Some(RetryCause::ConnectionLost) => {
+                    if let ControlFlow::Break(exhausted) =
+                        self.back_off(RetryCause::ConnectionLost).await
                     {
-                        Ok(tx) => return Ok(Attempt { tx }),
-                        Err(failure)
-                            if failure.0.transient() == Some(RetryCause::ConnectionLost) =>
-                        {
-                            RetryCause::ConnectionLost
-                        }
-                        Err(failure) => {
-                            self.record_end("begin_failed");
-                            return Err(RetryError::Begin(failure.0));
-                        }
+                        self.record_end("exhausted");
+                        return Err(exhausted);
                     }
                 }
-                None => RetryCause::ConnectionLost,
-            };
-            if let ControlFlow::Break(exhausted) = self.back_off(lost).await {
-                self.record_end("exhausted");
-                return Err(exhausted);
+                Err(failure) => {
+                    self.record_end("begin_failed");
+                    return Err(RetryError::Begin(failure.0));
+                }
             }
         }
     }
@@ -326,24 +341,6 @@ impl<'p> RetryLoop<'p> {
             if succeeded && self.attempts > 1 {
                 metrics::counter!("idem_retry_success_after_retry_total", "function" => self.name)
                     .increment(1);
-            }
-        }
-    }
-
-    /// A checkout. `None`: the pool could not set up a new connection (the
-    /// server went away, say), which another try may fix; a pool that has no
-    /// connection free in time ends the call.
-    async fn check_out(&mut self) -> Result<Option<PooledConnection>, RetryError> {
-        use deadpool::managed::PoolError;
-        match self.pool.get().instrument(self.span.clone()).await {
-            Ok(conn) => Ok(Some(conn)),
-            Err(PoolError::Backend(err)) => {
-                tracing::info!(parent: &self.span, error = %err, "could not set up a connection");
-                Ok(None)
-            }
-            Err(err) => {
-                self.record_end("pool_error");
-                Err(RetryError::Pool(err))
             }
         }
     }
