@@ -31,10 +31,7 @@ use std::time::{Duration, Instant};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{
-    idempotent, retryable, IdempotencyError, IdempotentError, NoFinalErrors, Pool, RetryCause,
-    RetryError, Transient,
-};
+use idem::{idempotent, retryable, IdempotentError, NoFinalErrors, Pool};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -86,19 +83,7 @@ enum AppError {
     #[error(transparent)]
     Db(#[from] diesel::result::Error),
     #[error(transparent)]
-    Idem(#[from] IdempotencyError),
-    #[error(transparent)]
-    Retry(#[from] RetryError),
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Idem(e) => e.transient(),
-            AppError::Retry(_) => None,
-        }
-    }
+    Idem(#[from] idem::Error),
 }
 
 impl IdempotentError for AppError {

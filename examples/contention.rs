@@ -51,9 +51,7 @@ use std::time::{Duration, Instant};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{
-    retryable, Pool, RetryCause, RetryError, Transient, Versioned, VersionedChanges, VersionedError,
-};
+use idem::{retryable, Pool, Versioned, VersionedChanges, VersionedError};
 use tokio::sync::Barrier;
 
 /// Concurrent writers per run.
@@ -149,19 +147,9 @@ enum TransferError {
     #[error(transparent)]
     Db(#[from] diesel::result::Error),
     #[error(transparent)]
-    Retry(#[from] RetryError),
+    Idem(#[from] idem::Error),
     #[error("insufficient funds in account {0}")]
     InsufficientFunds(i64),
-}
-
-impl Transient for TransferError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            TransferError::Versioned(e) => e.transient(),
-            TransferError::Db(e) => e.transient(),
-            TransferError::Retry(_) | TransferError::InsufficientFunds(_) => None,
-        }
-    }
 }
 
 /// The attempt this body runs in: the last one is the writer's attempt count.

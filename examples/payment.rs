@@ -24,10 +24,7 @@ use std::sync::Arc;
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{
-    idempotent, retryable, IdempotencyError, IdempotentError, NoFinalErrors, RetryCause,
-    RetryError, Transient,
-};
+use idem::{idempotent, retryable, IdempotentError, NoFinalErrors};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::Barrier;
@@ -82,19 +79,7 @@ enum AppError {
     #[error(transparent)]
     Db(#[from] diesel::result::Error),
     #[error(transparent)]
-    Idem(#[from] IdempotencyError),
-    #[error(transparent)]
-    Retry(#[from] RetryError),
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Idem(e) => e.transient(),
-            AppError::Retry(_) => None,
-        }
-    }
+    Idem(#[from] idem::Error),
 }
 
 impl IdempotentError for AppError {
@@ -267,7 +252,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The same key for a different request: refused, never answered with the
     // stored payment, and nothing written.
     let mismatch = match create_payment(&pool, &ctx, &cmd(9999, 9999)).await {
-        Err(e @ AppError::Idem(IdempotencyError::FingerprintMismatch)) => e,
+        Err(e @ AppError::Idem(idem::Error::FingerprintMismatch)) => e,
         other => panic!("a different amount under the same key must be refused, got {other:?}"),
     };
     let (payments, outbox) = counts(&mut conn).await?;

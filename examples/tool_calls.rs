@@ -28,9 +28,7 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::idempotency::current_key;
-use idem::{
-    idempotent, IdempotencyError, IdempotentError, NoFinalErrors, RetryCause, RetryError, Transient,
-};
+use idem::{idempotent, IdempotentError, NoFinalErrors};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -75,25 +73,13 @@ enum AppError {
     #[error(transparent)]
     Db(#[from] diesel::result::Error),
     #[error(transparent)]
-    Idem(#[from] IdempotencyError),
-    #[error(transparent)]
-    Retry(#[from] RetryError),
+    Idem(#[from] idem::Error),
     #[error("bad arguments: {0}")]
     BadArguments(String),
     #[error("no answer from the target within {0:?}: its outcome is unknown")]
     TargetTimeout(Duration),
     #[error("the call to the target failed: {0}")]
     Target(std::io::Error),
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Idem(e) => e.transient(),
-            _ => None,
-        }
-    }
 }
 
 impl IdempotentError for AppError {
@@ -364,7 +350,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let unknown = refund(&pool, &ToolCall::new(refund_args)).await;
     assert!(matches!(
         unknown,
-        Err(AppError::Idem(IdempotencyError::OutcomeUnknown))
+        Err(AppError::Idem(idem::Error::OutcomeUnknown))
     ));
     let external_calls = AtomicUsize::load(&stub.calls, Ordering::SeqCst);
     let keys = stub.keys.lock().unwrap().clone();

@@ -14,10 +14,7 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::idempotency::{current_key, purge_expired, settle, Settlement, OUTCOME_UNKNOWN_MESSAGE};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{
-    idempotent, retryable, IdempotencyError, IdempotentError, Pool, RetryCause, RetryError,
-    Transient, VersionedError,
-};
+use idem::{idempotent, retryable, IdempotentError, Pool, VersionedError};
 use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, Semaphore};
@@ -37,9 +34,7 @@ enum AppError {
     #[error(transparent)]
     Db(#[from] diesel::result::Error),
     #[error(transparent)]
-    Idem(#[from] IdempotencyError),
-    #[error(transparent)]
-    Retry(#[from] RetryError),
+    Idem(#[from] idem::Error),
     #[error(transparent)]
     Versioned(#[from] VersionedError),
     #[error("declined: {0:?}")]
@@ -50,17 +45,6 @@ enum AppError {
     /// Refused before anything was sent.
     #[error("invalid request, nothing sent")]
     Invalid,
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Idem(e) => e.transient(),
-            AppError::Versioned(e) => e.transient(),
-            _ => None,
-        }
-    }
 }
 
 impl IdempotentError for AppError {
@@ -448,7 +432,7 @@ async fn a_different_request_under_the_same_key_is_refused_and_scopes_are_separa
     for different in [cmd("k-1", 9999), other_merchant, other_currency] {
         let result = pay(&env.pool, &CTX, &different, 3).await;
         match &result {
-            Err(AppError::Idem(e @ IdempotencyError::FingerprintMismatch)) => {
+            Err(AppError::Idem(e @ idem::Error::FingerprintMismatch)) => {
                 assert_eq!(e.http_status(), 422)
             }
             other => panic!("expected a fingerprint mismatch, got {other:?}"),
@@ -459,7 +443,7 @@ async fn a_different_request_under_the_same_key_is_refused_and_scopes_are_separa
     assert!(
         matches!(
             result,
-            Err(AppError::Idem(IdempotencyError::FingerprintMismatch))
+            Err(AppError::Idem(idem::Error::FingerprintMismatch))
         ),
         "{result:?}"
     );
@@ -696,10 +680,14 @@ impl Script {
                 .await?;
                 unreachable!("the statement fails")
             }
-            Some(Step::Stale) => Err(AppError::Versioned(VersionedError::Stale {
-                expected: 1,
-                actual: 2,
-            })),
+            Some(Step::Stale) => {
+                // A hand-written check that lost a race says so.
+                idem::attempt::lost_race();
+                Err(AppError::Versioned(VersionedError::Stale {
+                    expected: 1,
+                    actual: 2,
+                }))
+            }
         }
     }
 
@@ -966,7 +954,7 @@ async fn external_claims_commit_before_the_body_and_duplicates_wait_or_are_told(
     // A duplicate is told at once.
     let result = send(&env.pool, &send_cmd("x-1", 30), &target).await;
     match &result {
-        Err(AppError::Idem(e @ IdempotencyError::InProgress)) => assert_eq!(e.http_status(), 409),
+        Err(AppError::Idem(e @ idem::Error::InProgress)) => assert_eq!(e.http_status(), 409),
         other => panic!("expected in progress, got {other:?}"),
     }
     // A different request under the key is refused even while it runs.
@@ -1075,7 +1063,7 @@ async fn external_failures_release_or_keep_the_key_until_settled() {
     for _ in 0..3 {
         let result = send(&env.pool, &send_cmd("x-unknown", 2), &target).await;
         match &result {
-            Err(AppError::Idem(e @ IdempotencyError::OutcomeUnknown)) => assert_eq!(
+            Err(AppError::Idem(e @ idem::Error::OutcomeUnknown)) => assert_eq!(
                 e.to_string(),
                 "the request may have reached the target system; its outcome is decided there; not retried"
             ),
@@ -1444,7 +1432,7 @@ async fn an_oversized_response_commits_nothing() {
     // 99 characters are 101 bytes of JSON.
     let result = sized(&env.pool, "big", 99).await;
     match &result {
-        Err(AppError::Idem(IdempotencyError::ResponseTooLarge { size, limit })) => {
+        Err(AppError::Idem(idem::Error::ResponseTooLarge { size, limit })) => {
             assert_eq!((*size, *limit), (101, 100))
         }
         other => panic!("expected a response too large, got {other:?}"),
@@ -1499,7 +1487,7 @@ async fn bad_input_is_refused_before_anything_is_written() {
     ] {
         let result = charge(&env.pool, key, 1, &script).await;
         match &result {
-            Err(AppError::Idem(e @ IdempotencyError::InvalidKey { .. })) => {
+            Err(AppError::Idem(e @ idem::Error::InvalidKey { .. })) => {
                 assert_eq!(e.http_status(), 400);
                 assert!(e.to_string().contains(reason), "{e} for {key:?}");
             }
@@ -1510,14 +1498,14 @@ async fn bad_input_is_refused_before_anything_is_written() {
 
     let result = optional_key(&env.pool, &OptCmd { key: None, n: 1 }).await;
     match &result {
-        Err(AppError::Idem(e @ IdempotencyError::MissingKey)) => assert_eq!(e.http_status(), 400),
+        Err(AppError::Idem(e @ idem::Error::MissingKey)) => assert_eq!(e.http_status(), 400),
         other => panic!("expected a missing key, got {other:?}"),
     }
 
     let grid: HashMap<(i32, i32), i32> = [((1, 2), 3)].into_iter().collect();
     let result = with_grid(&env.pool, "grid-1", &grid).await;
     match &result {
-        Err(AppError::Idem(e @ IdempotencyError::Unserializable { .. })) => {
+        Err(AppError::Idem(e @ idem::Error::Unserializable { .. })) => {
             assert!(e.to_string().contains("fingerprint field `grid`"), "{e}")
         }
         other => panic!("expected an unserializable fingerprint, got {other:?}"),

@@ -17,10 +17,7 @@ use std::time::{Duration, Instant};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{
-    idempotent, retryable, IdempotencyError, IdempotentError, Pool, RetryCause, RetryError,
-    Transient,
-};
+use idem::{idempotent, retryable, IdempotentError, Pool};
 use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
@@ -35,21 +32,9 @@ enum AppError {
     #[error(transparent)]
     Db(#[from] diesel::result::Error),
     #[error(transparent)]
-    Idem(#[from] IdempotencyError),
-    #[error(transparent)]
-    Retry(#[from] RetryError),
+    Idem(#[from] idem::Error),
     #[error("declined: {0:?}")]
     Declined(Declined),
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Idem(e) => e.transient(),
-            _ => None,
-        }
-    }
 }
 
 impl IdempotentError for AppError {

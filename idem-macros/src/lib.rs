@@ -60,7 +60,8 @@ pub fn derive_versioned_changes(input: TokenStream) -> TokenStream {
 /// (`retry`, `lock`), `retry_lock_not_available` (false),
 /// `commit_timeout_ms` (10 000) and `policy = <expr>` (an
 /// `idem::RetryPolicy` built at run time, the other keys applied on top). The
-/// error type implements `idem::Transient` and `From<idem::RetryError>`;
+/// error type implements `From<idem::Error>` (which failures are replayed is
+/// decided by what failed on the attempt, not by the error type);
 /// by-value arguments must be `Clone`, `&mut` arguments are refused, since the
 /// body runs again on every attempt. See `idem::retry` for the semantics.
 #[proc_macro_attribute]

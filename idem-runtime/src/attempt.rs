@@ -11,12 +11,38 @@ use std::any::TypeId;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+/// Where an attempt's versioned writes report a version conflict, so the
+/// loop knows the attempt lost a race whatever error its body returns.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ConflictSlot(Arc<AtomicBool>);
+
+/// The versioned rows an attempt read, with the versions it read them at: a
+/// stale write from one of them lost a race inside the attempt (replaying
+/// reads the row again), while a stale write from a version given from
+/// outside (an `If-Match`) fails the same way on every replay.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ReadSet(Arc<Mutex<Vec<(RowId, i64)>>>);
+
+impl ConflictSlot {
+    /// The conflict met since the last take, if any.
+    pub(crate) fn take(&self) -> Option<crate::retry::RetryCause> {
+        self.0
+            .swap(false, Ordering::AcqRel)
+            .then_some(crate::retry::RetryCause::Stale)
+    }
+}
 
 /// What one attempt of a retry loop knows about itself.
 #[derive(Debug, Clone)]
 pub(crate) struct AttemptContext {
+    /// Set by a versioned write that found a newer version.
+    pub(crate) conflict: ConflictSlot,
+    /// Versioned rows read in this attempt.
+    pub(crate) reads: ReadSet,
     /// 1 for the first attempt.
     pub(crate) attempt: u32,
     /// Load versioned rows with `FOR UPDATE` in this attempt.
@@ -75,10 +101,23 @@ pub(crate) fn lock_row<M: 'static, K: Hash>(key: &K) -> bool {
         .unwrap_or(false)
 }
 
-/// Remember that `row` lost a version race, when the current attempt runs
+/// Tell the current attempt that a write to `row` from version `expected`
+/// found a newer one: a race lost inside the attempt when the attempt read
+/// the row at that version. Remember the row as hot when the attempt runs
 /// under `on_conflict = lock`.
-pub(crate) fn note_stale(row: RowId) {
-    let Ok(Some(memory)) = ATTEMPT.try_with(|ctx| ctx.hot_row_memory) else {
+pub(crate) fn note_stale(row: RowId, expected: i64) {
+    let Ok(Some(memory)) = ATTEMPT.try_with(|ctx| {
+        let read_here = ctx
+            .reads
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&(row, expected));
+        if read_here {
+            ctx.conflict.0.store(true, Ordering::Release);
+        }
+        ctx.hot_row_memory
+    }) else {
         return;
     };
     let mut hot = hot_rows().lock().unwrap_or_else(|p| p.into_inner());
@@ -89,6 +128,38 @@ pub(crate) fn note_stale(row: RowId) {
         }
     }
     hot.insert(row, Instant::now());
+}
+
+/// Tell the retry loop that the current attempt lost a race with another
+/// writer, so that it is replayed (within the budget) whatever error the
+/// body then returns. Versioned writes do this by themselves when they find
+/// a newer version; call it from a check of your own (a hand-written
+/// compare-and-set that matched no row, say). Outside an attempt it does
+/// nothing.
+///
+/// ```
+/// // Outside a retry loop there is nothing to tell.
+/// idem_runtime::attempt::lost_race();
+/// ```
+pub fn lost_race() {
+    let _ = ATTEMPT.try_with(|ctx| ctx.conflict.0.store(true, Ordering::Release));
+}
+
+/// The row of model `M` with `key`, when the current task runs in an
+/// attempt (the key is hashed only then).
+pub(crate) fn row_in_attempt<M: 'static, K: Hash>(key: &K) -> Option<RowId> {
+    inside_attempt().then(|| RowId::of::<M, K>(key))
+}
+
+/// Note that the current attempt read `row` at `version`.
+pub(crate) fn note_read(row: RowId, version: i64) {
+    let _ = ATTEMPT.try_with(|ctx| {
+        ctx.reads
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((row, version));
+    });
 }
 
 /// True when the current task runs inside an attempt of a retry loop.

@@ -3,6 +3,7 @@
 //! re-exports everything here next to the macros.
 
 pub mod attempt;
+mod error;
 pub mod etag;
 pub mod idempotency;
 pub mod migrate;
@@ -11,12 +12,15 @@ pub mod retry;
 mod tx;
 pub mod versioned;
 
-pub use idempotency::{
-    IdempotencyConfig, IdempotencyError, Idempotent, IdempotentError, Mode, NoFinalErrors,
-};
+pub use error::{Error, FromIdemError};
+#[allow(deprecated)]
+pub use idempotency::IdempotencyError;
+pub use idempotency::{IdempotencyConfig, Idempotent, IdempotentError, Mode, NoFinalErrors};
 pub use migrate::{migrate, MigrateError, MigrationReport};
 pub use pool::Pool;
-pub use retry::{Isolation, OnConflict, RetryCause, RetryError, RetryPolicy, Transient};
+#[allow(deprecated)]
+pub use retry::RetryError;
+pub use retry::{Isolation, OnConflict, RetryCause, RetryPolicy, Transient};
 pub use versioned::backstop::install_version_guard;
 pub use versioned::{NoState, Versioned, VersionedChanges, VersionedError};
 
@@ -50,6 +54,12 @@ pub mod __private {
         fn replay(&self) -> Self {
             self.clone()
         }
+    }
+
+    /// idem's failure as the function's error type; the bound names the fix
+    /// when the conversion is missing.
+    pub fn idem_error<E: crate::FromIdemError>(e: crate::Error) -> E {
+        E::from(e)
     }
 
     /// A fresh copy of a by-value argument for one attempt.

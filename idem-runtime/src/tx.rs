@@ -171,6 +171,12 @@ impl Tx {
         }
     }
 
+    /// Why a statement of this transaction failed, when no savepoint undid
+    /// it and the failure is worth replaying the transaction for.
+    pub(crate) fn failure_cause(&self) -> Option<RetryCause> {
+        self.watch.lock().unwrap_or_else(|p| p.into_inner()).cause
+    }
+
     /// A statement of this transaction failed and no savepoint undid it.
     fn watch_failed(&self) -> bool {
         self.watch
@@ -223,11 +229,13 @@ impl Drop for Tx {
 }
 
 /// What the watch knows of the transaction: diesel's depth as its events
-/// tell it, and the shallowest depth at which a statement failed.
+/// tell it, the shallowest depth at which a statement failed, and whether
+/// that failure is worth replaying the transaction for.
 #[derive(Debug, Default)]
 struct WatchState {
     depth: u32,
     failed_at: Option<u32>,
+    cause: Option<RetryCause>,
 }
 
 /// The instrumentation a transaction's connection carries while it is open;
@@ -250,15 +258,19 @@ impl Instrumentation for Watch {
                     // Rolling back to a savepoint undoes failures inside it.
                     if state.failed_at.is_some_and(|at| at >= depth.get()) {
                         state.failed_at = None;
+                        state.cause = None;
                     }
                     state.depth = depth.get() - 1;
                 }
                 InstrumentationEvent::FinishQuery {
-                    error: Some(DieselError::DatabaseError(..)),
+                    error: Some(err @ DieselError::DatabaseError(..)),
                     ..
                 } if state.depth > 0 => {
                     let at = state.depth;
-                    state.failed_at = Some(state.failed_at.map_or(at, |f| f.min(at)));
+                    if state.failed_at.is_none_or(|f| at < f) {
+                        state.failed_at = Some(at);
+                        state.cause = err.transient();
+                    }
                 }
                 _ => {}
             }

@@ -17,10 +17,10 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel_async::RunQueryDsl;
+use diesel::result::Error as DieselError;
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idem_runtime::pool::{build_pool_with, Pool, PoolConfig};
-use idem_runtime::retry::{retry, RetryCause, RetryError, RetryPolicy, Transient};
+use idem_runtime::retry::{retry, RetryCause, RetryPolicy};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind;
 use scoped_futures::ScopedFutureExt;
@@ -30,33 +30,18 @@ enum AppError {
     #[error(transparent)]
     Db(#[from] DieselError),
     #[error(transparent)]
-    Retry(#[from] RetryError),
+    Idem(#[from] idem_runtime::Error),
 }
 
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Retry(_) => None,
-        }
-    }
-}
+/// A real 40001 from the server.
+#[allow(non_upper_case_globals)] // read as the cause it is
+const serialization_failure: &str = "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access' \
+     USING ERRCODE = 'serialization_failure'; END $$";
 
-/// 40001 as diesel-async reports it.
-fn serialization_failure() -> AppError {
-    AppError::Db(DieselError::DatabaseError(
-        DatabaseErrorKind::SerializationFailure,
-        Box::new("could not serialize access due to concurrent update".to_owned()),
-    ))
-}
-
-/// 40P01 as diesel-async reports it (by its untranslated message).
-fn deadlock() -> AppError {
-    AppError::Db(DieselError::DatabaseError(
-        DatabaseErrorKind::Unknown,
-        Box::new("deadlock detected".to_owned()),
-    ))
-}
+/// A real 40P01 from the server, with its (untranslated) message.
+#[allow(non_upper_case_globals)]
+const deadlock: &str = "DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' \
+     USING ERRCODE = 'deadlock_detected'; END $$";
 
 const ATTEMPTS: &str = "idem_retry_attempts";
 const SUCCESS_AFTER_RETRY: &str = "idem_retry_success_after_retry_total";
@@ -134,7 +119,7 @@ async fn call(
     pool: &Pool,
     policy: RetryPolicy,
     name: &'static str,
-    failures: &[fn() -> AppError],
+    failures: &[&'static str],
 ) -> (Result<i32, AppError>, u32) {
     let calls = AtomicU32::new(0);
     let calls_ref = &calls;
@@ -144,10 +129,11 @@ async fn call(
             let one: i32 = diesel::select(diesel::dsl::sql::<diesel::sql_types::Integer>("1"))
                 .get_result(conn)
                 .await?;
-            match failures.get(attempt) {
-                Some(failure) => Err(failure()),
-                None => Ok(one),
+            if let Some(failure) = failures.get(attempt) {
+                conn.batch_execute(failure).await?;
+                unreachable!("the statement fails");
             }
+            Ok(one)
         }
         .scope_boxed()
     })
@@ -237,7 +223,7 @@ async fn scenario(snapshotter: &Snapshotter) {
     )
     .await;
     match result {
-        Err(AppError::Retry(RetryError::Exhausted {
+        Err(AppError::Idem(idem_runtime::Error::Exhausted {
             attempts,
             last_cause,
             ..
@@ -319,7 +305,7 @@ async fn scenario(snapshotter: &Snapshotter) {
     .expect("build the pool");
     let (result, calls) = call(&unreachable, policy, "no_server", &[]).await;
     assert!(
-        matches!(result, Err(AppError::Retry(RetryError::Pool(_)))),
+        matches!(result, Err(AppError::Idem(idem_runtime::Error::Pool(_)))),
         "{result:?}"
     );
     assert_eq!(calls, 0);

@@ -102,6 +102,10 @@ pub enum HarnessError {
         after: Duration,
     },
 
+    /// The fault-injection proxy could not listen.
+    #[error("the test proxy could not start: {0}")]
+    Proxy(String),
+
     /// Starting the per-process cluster failed earlier; every later caller gets the same cause.
     #[error("the shared test cluster could not be started: {0}")]
     SharedCluster(#[source] Arc<HarnessError>),

@@ -34,6 +34,7 @@
 mod cluster;
 mod database;
 mod error;
+pub mod proxy;
 mod url;
 
 pub use cluster::{start_throwaway_cluster, Cluster};

@@ -38,6 +38,37 @@ pub(crate) fn with_database(url: &str, database: &str) -> Result<String, Harness
     Ok(format!("{base}/{database}{query}"))
 }
 
+/// The `host:port` a URL points at (port 5432 when none is given).
+pub(crate) fn host_port(url: &str) -> Result<String, HarnessError> {
+    let (base, _) = split(url)?;
+    let authority = &base[base.find("://").map_or(0, |i| i + 3)..];
+    let host_port = &authority[authority.rfind('@').map_or(0, |at| at + 1)..];
+    if host_port.is_empty() {
+        return Err(HarnessError::InvalidUrl {
+            url: redact(url),
+            reason: "the URL names no host".into(),
+        });
+    }
+    Ok(if host_port.contains(':') {
+        host_port.to_owned()
+    } else {
+        format!("{host_port}:5432")
+    })
+}
+
+/// The same URL, pointing at `host_port` instead.
+pub(crate) fn with_host_port(url: &str, host_port: &str) -> Result<String, HarnessError> {
+    let (base, query) = split(url)?;
+    let scheme_len = base.find("://").map_or(0, |i| i + 3);
+    let authority = &base[scheme_len..];
+    let user = &authority[..authority.rfind('@').map_or(0, |at| at + 1)];
+    let path = &url[base.len()..url.len() - query.len()];
+    Ok(format!(
+        "{}{user}{host_port}{path}{query}",
+        &base[..scheme_len]
+    ))
+}
+
 /// `url` with any password replaced, so it can go into error messages and Debug output.
 pub(crate) fn redact(url: &str) -> String {
     let Some(scheme_len) = SCHEMES
@@ -122,5 +153,25 @@ mod tests {
         );
         assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
         assert!(!redact("host=h password=secret").contains("secret"));
+    }
+}
+
+#[cfg(test)]
+mod host_port_tests {
+    use super::*;
+
+    #[test]
+    fn host_and_port_are_read_and_replaced() {
+        let url = "postgres://postgres:pw@127.0.0.1:5432/app?sslmode=disable";
+        assert_eq!(host_port(url).unwrap(), "127.0.0.1:5432");
+        assert_eq!(
+            with_host_port(url, "127.0.0.1:6000").unwrap(),
+            "postgres://postgres:pw@127.0.0.1:6000/app?sslmode=disable"
+        );
+        assert_eq!(host_port("postgres://db/app").unwrap(), "db:5432");
+        assert_eq!(
+            with_host_port("postgres://db/app", "h:1").unwrap(),
+            "postgres://h:1/app"
+        );
     }
 }

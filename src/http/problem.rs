@@ -6,16 +6,16 @@ use serde_json::{Map, Value};
 
 use crate::etag::{etag_for_version, EtagError};
 use crate::idempotency::OUTCOME_UNKNOWN_MESSAGE;
-use crate::{IdempotencyError, RetryError, VersionedError};
+use crate::{Error, VersionedError};
 
 /// The `type` URIs of the problems idem answers with; clients switch on these,
 /// not on `title` or `detail`.
 ///
 /// ```
 /// use idem::http::{problem_type, Problem};
-/// use idem::IdempotencyError;
+/// use idem::Error;
 ///
-/// let problem = Problem::from(IdempotencyError::InProgress);
+/// let problem = Problem::from(Error::InProgress);
 /// match problem.type_uri() {
 ///     problem_type::IN_PROGRESS => { /* wait, then retry with the same key */ }
 ///     other => panic!("unexpected {other}"),
@@ -93,9 +93,9 @@ pub mod problem_type {
 ///
 /// ```
 /// use idem::http::{problem_type, Problem};
-/// use idem::IdempotencyError;
+/// use idem::Error;
 ///
-/// let problem = Problem::from(IdempotencyError::FingerprintMismatch);
+/// let problem = Problem::from(Error::FingerprintMismatch);
 /// assert_eq!(problem.status().as_u16(), 422);
 /// assert_eq!(problem.type_uri(), problem_type::FINGERPRINT_MISMATCH);
 /// ```
@@ -196,7 +196,7 @@ impl Problem {
     /// The `title`: a short summary of the type.
     ///
     /// ```
-    /// let p = idem::http::Problem::from(idem::IdempotencyError::FingerprintMismatch);
+    /// let p = idem::http::Problem::from(idem::Error::FingerprintMismatch);
     /// assert_eq!(p.title(), "Idempotency-Key reused for a different request");
     /// ```
     pub fn title(&self) -> &str {
@@ -206,7 +206,7 @@ impl Problem {
     /// The `detail`: what happened this time, and what the client can do.
     ///
     /// ```
-    /// let p = idem::http::Problem::from(idem::IdempotencyError::OutcomeUnknown);
+    /// let p = idem::http::Problem::from(idem::Error::OutcomeUnknown);
     /// assert!(p.detail().contains("may have reached its target"));
     /// ```
     pub fn detail(&self) -> &str {
@@ -295,21 +295,22 @@ impl IntoResponse for Problem {
     }
 }
 
-impl From<&IdempotencyError> for Problem {
-    fn from(e: &IdempotencyError) -> Problem {
+/// idem's own failures: the one table that decides each status.
+impl From<&Error> for Problem {
+    fn from(e: &Error) -> Problem {
         match e {
-            IdempotencyError::MissingKey => Problem::key_missing(),
-            IdempotencyError::InvalidKey { reason } => {
+            Error::MissingKey => Problem::key_missing(),
+            Error::InvalidKey { reason } => {
                 Problem::key_invalid(format_args!("the Idempotency-Key is invalid: {reason}"))
             }
-            IdempotencyError::FingerprintMismatch => Problem::new(
+            Error::FingerprintMismatch => Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 problem_type::FINGERPRINT_MISMATCH,
                 "Idempotency-Key reused for a different request",
                 "this Idempotency-Key was already used for a request with a different body or \
                  target; nothing was done. Use a new key for a new request",
             ),
-            IdempotencyError::InProgress => Problem::new(
+            Error::InProgress => Problem::new(
                 StatusCode::CONFLICT,
                 problem_type::IN_PROGRESS,
                 "Request in progress",
@@ -317,7 +318,14 @@ impl From<&IdempotencyError> for Problem {
                  later with the same key to get its response",
             )
             .retry_after(1),
-            IdempotencyError::OutcomeUnknown => Problem::new(
+            Error::ClaimLost => Problem::new(
+                StatusCode::CONFLICT,
+                problem_type::IN_PROGRESS,
+                "Idempotency claim lost",
+                "the claim of this Idempotency-Key was settled or taken over while the request \
+                 ran; nothing was committed",
+            ),
+            Error::OutcomeUnknown => Problem::new(
                 StatusCode::BAD_GATEWAY,
                 problem_type::OUTCOME_UNKNOWN,
                 "Outcome unknown",
@@ -326,15 +334,7 @@ impl From<&IdempotencyError> for Problem {
                      have reached its target, and it will not be sent again under this key"
                 ),
             ),
-            other => Problem::internal(other),
-        }
-    }
-}
-
-impl From<&RetryError> for Problem {
-    fn from(e: &RetryError) -> Problem {
-        match e {
-            RetryError::Exhausted {
+            Error::Exhausted {
                 attempts, elapsed, ..
             } => Problem::new(
                 StatusCode::CONFLICT,
@@ -347,7 +347,7 @@ impl From<&RetryError> for Problem {
                 ),
             )
             .with("attempts", *attempts),
-            RetryError::CommitUnknown { .. } => Problem::new(
+            Error::CommitUnknown { .. } => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 problem_type::COMMIT_OUTCOME_UNKNOWN,
                 "Commit outcome unknown",
@@ -356,11 +356,11 @@ impl From<&RetryError> for Problem {
                  returns the result if it did and runs the request if it did not",
             )
             .retry_after(1),
-            RetryError::Pool(_) => Problem::new(
+            Error::Pool(_) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 problem_type::UNAVAILABLE,
                 "Service busy",
-                "no database connection was free in time; nothing was done, retry later",
+                "no database connection could be had in time; nothing was done, retry later",
             )
             .retry_after(1),
             other => Problem::internal(other),
@@ -429,7 +429,7 @@ macro_rules! by_value {
         }
     )*};
 }
-by_value!(IdempotencyError, RetryError, VersionedError, EtagError);
+by_value!(Error, VersionedError, EtagError);
 
 #[cfg(test)]
 mod tests {
@@ -442,12 +442,12 @@ mod tests {
     fn statuses_follow_the_table() {
         let cases: Vec<(Problem, u16, &str)> = vec![
             (
-                IdempotencyError::MissingKey.into(),
+                Error::MissingKey.into(),
                 400,
                 problem_type::IDEMPOTENCY_KEY_MISSING,
             ),
             (
-                IdempotencyError::InvalidKey {
+                Error::InvalidKey {
                     reason: "it is empty",
                 }
                 .into(),
@@ -455,22 +455,18 @@ mod tests {
                 problem_type::IDEMPOTENCY_KEY_INVALID,
             ),
             (
-                IdempotencyError::FingerprintMismatch.into(),
+                Error::FingerprintMismatch.into(),
                 422,
                 problem_type::FINGERPRINT_MISMATCH,
             ),
+            (Error::InProgress.into(), 409, problem_type::IN_PROGRESS),
             (
-                IdempotencyError::InProgress.into(),
-                409,
-                problem_type::IN_PROGRESS,
-            ),
-            (
-                IdempotencyError::OutcomeUnknown.into(),
+                Error::OutcomeUnknown.into(),
                 502,
                 problem_type::OUTCOME_UNKNOWN,
             ),
             (
-                RetryError::Exhausted {
+                Error::Exhausted {
                     attempts: 4,
                     elapsed: Duration::from_millis(800),
                     last_cause: RetryCause::Stale,
@@ -480,7 +476,7 @@ mod tests {
                 problem_type::RETRIES_EXHAUSTED,
             ),
             (
-                RetryError::CommitUnknown {
+                Error::CommitUnknown {
                     attempts: 1,
                     elapsed: Duration::ZERO,
                 }
@@ -511,7 +507,7 @@ mod tests {
                 problem_type::PRECONDITION_FAILED,
             ),
             (EtagError::Empty.into(), 400, problem_type::IF_MATCH_INVALID),
-            (RetryError::RolledBack.into(), 500, problem_type::INTERNAL),
+            (Error::RolledBack.into(), 500, problem_type::INTERNAL),
         ];
         for (problem, status, type_uri) in cases {
             assert_eq!(problem.status().as_u16(), status, "{problem}");
@@ -524,12 +520,12 @@ mod tests {
 
     #[test]
     fn commit_unknown_says_retry_with_the_same_key() {
-        let p = Problem::from(RetryError::CommitUnknown {
+        let p = Problem::from(Error::CommitUnknown {
             attempts: 1,
             elapsed: Duration::ZERO,
         });
         assert!(p.detail().contains("same Idempotency-Key"), "{p}");
-        let o = Problem::from(IdempotencyError::OutcomeUnknown);
+        let o = Problem::from(Error::OutcomeUnknown);
         assert!(o.detail().contains("may have reached"), "{o}");
     }
 

@@ -65,7 +65,7 @@ async fn get_account(
     Tenant(tenant): Tenant,
     Path(id): Path<i64>,
 ) -> Result<WithETag<Json<Account>>, LedgerError> {
-    let mut conn = app.pool.get().await.map_err(idem::RetryError::from)?;
+    let mut conn = app.pool.get().await.map_err(idem::Error::from)?;
     let account = ops::account(&mut conn, tenant, id).await?;
     Ok(WithETag(account.version, Json(account)))
 }
@@ -118,7 +118,6 @@ impl IntoResponse for LedgerError {
                 Problem::from(e).into_response()
             }
             LedgerError::Idem(e) => Problem::from(e).into_response(),
-            LedgerError::Retry(e) => Problem::from(e).into_response(),
             LedgerError::Db(e) => {
                 eprintln!("ledger: database error answered with 500: {e}");
                 Problem::new(

@@ -5,10 +5,7 @@ use axum::http::StatusCode;
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idem::http::{IdempotencyKey, Problem, StoredResponse};
-use idem::{
-    idempotent, retryable, IdempotencyError, IdempotentError, RetryCause, RetryError, Transient,
-    Versioned, VersionedError,
-};
+use idem::{idempotent, retryable, IdempotentError, Versioned, VersionedError};
 use serde::{Deserialize, Serialize};
 
 use super::schema::{
@@ -127,9 +124,7 @@ pub enum LedgerError {
     #[error(transparent)]
     Versioned(#[from] VersionedError),
     #[error(transparent)]
-    Idem(#[from] IdempotencyError),
-    #[error(transparent)]
-    Retry(#[from] RetryError),
+    Idem(#[from] idem::Error),
     #[error(transparent)]
     Db(#[from] diesel::result::Error),
 }
@@ -138,19 +133,6 @@ fn declined(reason: Declined) -> LedgerError {
     LedgerError::Declined {
         reason,
         replayed: false,
-    }
-}
-
-impl Transient for LedgerError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            LedgerError::Versioned(e) => e.transient(),
-            LedgerError::Idem(e) => e.transient(),
-            LedgerError::Db(e) => e.transient(),
-            LedgerError::Declined { .. } | LedgerError::Precondition(_) | LedgerError::Retry(_) => {
-                None
-            }
-        }
     }
 }
 

@@ -102,6 +102,9 @@ pub(crate) fn idempotent(
     let result = format_ident!("__idem_result", span = mixed);
     let outcome = format_ident!("__idem_outcome", span = mixed);
     let error = format_ident!("__idem_error", span = mixed);
+    // Spanned at the return type: a missing `From<idem::Error>` is reported
+    // there, once, with the bound's own message.
+    let into_err = quote_spanned!(ret_span=> ::idem::__private::idem_error(#error));
 
     // No #[retryable]: one attempt, still claimed and recorded in its transaction.
     let policy = if has_retryable {
@@ -154,13 +157,13 @@ pub(crate) fn idempotent(
     let ok_ty = quote_spanned!(ret_span=> #parts::Ok);
 
     let build = quote! {
-        let #request = match (|| -> ::core::result::Result<::idem::__private::Request, ::idem::IdempotencyError> {
+        let #request = match (|| -> ::core::result::Result<::idem::__private::Request, ::idem::Error> {
             let __idem_fields = [#(#fields),*];
             ::idem::__private::Request::new(#config, #operation, #key, #scope, &__idem_fields)
         })() {
             ::core::result::Result::Ok(#request) => #request,
             ::core::result::Result::Err(#error) => {
-                return ::core::result::Result::Err(::core::convert::From::from(#error));
+                return ::core::result::Result::Err(#into_err);
             }
         };
     };
@@ -174,7 +177,7 @@ pub(crate) fn idempotent(
         let #outcome = loop {
             let mut #attempt = match #retry_loop.begin().await {
                 ::core::result::Result::Ok(#attempt) => #attempt,
-                ::core::result::Result::Err(#error) => break ::core::result::Result::Err(::core::convert::From::from(#error)),
+                ::core::result::Result::Err(#error) => break ::core::result::Result::Err(#into_err),
             };
             let #result = #retry_loop.scope(::idem::__private::under_key(::std::borrow::ToOwned::to_owned(#call.request().key()), async {
                 if let ::core::option::Option::Some(#outcome) = #call.enter::<#ok_ty>(#attempt.conn()).await {

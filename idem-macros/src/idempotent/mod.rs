@@ -28,7 +28,7 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     if let syn::ReturnType::Default = func.sig.output {
         let mut out = syn::Error::new_spanned(
             &func.sig.ident,
-            "an #[idempotent] fn returns `Result<T, E>`: the `T` is the response stored and replayed under the key, and `E` carries idem's errors (`From<idem::IdempotencyError>`)",
+            "an #[idempotent] fn returns `Result<T, E>`: the `T` is the response stored and replayed under the key, and `E` carries idem's errors (`From<idem::Error>`)",
         )
         .to_compile_error();
         out.extend(func.into_token_stream());

@@ -278,7 +278,7 @@ impl Idempotent {
         if let Some(ty) = not_a_result(&func.sig.output) {
             errors.push_at(
                 ty,
-                "an #[idempotent] fn returns `Result<T, E>`: the `T` is the response stored and replayed under the key, and `E` carries idem's errors (`From<idem::IdempotencyError>`)",
+                "an #[idempotent] fn returns `Result<T, E>`: the `T` is the response stored and replayed under the key, and `E` carries idem's errors (`From<idem::Error>`)",
             );
         }
         if let Some(op) = &out.operation {

@@ -130,6 +130,9 @@ pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
     let result = format_ident!("__idem_result", span = mixed);
     let outcome = format_ident!("__idem_outcome", span = mixed);
     let error = format_ident!("__idem_error", span = mixed);
+    // Spanned at the return type: a missing `From<idem::Error>` is reported
+    // there, once, with the bound's own message.
+    let into_err = quote_spanned!(ret_span=> ::idem::__private::idem_error(#error));
     let policy = policy(parsed);
     let name = function_name(parsed);
     let run = attempt_run(parsed, &attempt);
@@ -152,7 +155,7 @@ pub(crate) fn retryable(parsed: &Retryable) -> TokenStream {
                 let mut #attempt = match #retry_loop.begin().await {
                     ::core::result::Result::Ok(#attempt) => #attempt,
                     ::core::result::Result::Err(#error) => {
-                        return ::core::result::Result::Err(::core::convert::From::from(#error));
+                        return ::core::result::Result::Err(#into_err);
                     }
                 };
                 let #result = #retry_loop.scope(async { #run }).await;

@@ -6,7 +6,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
 use super::store;
-use super::IdempotencyError;
+use crate::error::Error;
 use crate::pool::Pool;
 
 /// What [`purge_expired`] did.
@@ -80,14 +80,13 @@ pub async fn settle<S: Serialize + ?Sized>(
     scope: &S,
     key: &str,
     settlement: Settlement,
-) -> Result<bool, IdempotencyError> {
-    let scope =
-        serde_json::to_string(scope).map_err(|source| IdempotencyError::Unserializable {
-            what: "the scope".to_owned(),
-            source,
-        })?;
+) -> Result<bool, Error> {
+    let scope = serde_json::to_string(scope).map_err(|source| Error::Unserializable {
+        what: "the scope".to_owned(),
+        source,
+    })?;
     let mut conn = pool.get().await.map_err(|e| {
-        IdempotencyError::Database(diesel::result::Error::DatabaseError(
+        Error::Database(diesel::result::Error::DatabaseError(
             diesel::result::DatabaseErrorKind::UnableToSendCommand,
             Box::new(format!("could not check out a connection: {e}")),
         ))

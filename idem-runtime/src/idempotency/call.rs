@@ -25,7 +25,8 @@ use serde::Serialize;
 
 use super::request::{Claimed, Found, Request};
 use super::store::{self, Record};
-use super::{IdempotencyError, Idempotent, IdempotentError};
+use super::{Idempotent, IdempotentError};
+use crate::error::Error;
 use crate::pool::Pool;
 use crate::retry::{Isolation, Step};
 use crate::tx::Tx;
@@ -135,7 +136,7 @@ impl<E> Call<E> {
         match found {
             Found::Replay(outcome, response) => replay::<V, E>(outcome.as_deref(), response)
                 .map(|r| Step::Answer(Reply::Replayed(r))),
-            Found::Refused(IdempotencyError::InProgress) if Instant::now() < self.wait_until => {
+            Found::Refused(Error::InProgress) if Instant::now() < self.wait_until => {
                 Ok(Step::Again(WAIT_POLL.min(self.wait_until - Instant::now())))
             }
             Found::Refused(err) => Err(E::from(err)),
@@ -198,7 +199,7 @@ impl<E> Call<E> {
             // The claim was settled by hand, or its lease ran out and another
             // request took the key: an effect whose record cannot be kept
             // must not commit.
-            _ => Err(E::from(IdempotencyError::ClaimLost)),
+            _ => Err(E::from(Error::ClaimLost)),
         }
     }
 
@@ -302,7 +303,7 @@ async fn settle_claim(
 }
 
 fn db<E: IdempotentError>(e: diesel::result::Error) -> E {
-    E::from(IdempotencyError::Database(e))
+    E::from(Error::Database(e))
 }
 
 fn replay<V: DeserializeOwned, E: IdempotentError>(
@@ -314,5 +315,5 @@ fn replay<V: DeserializeOwned, E: IdempotentError>(
         Some(store::ERROR) => serde_json::from_value::<E::Final>(response).map(Err),
         _ => serde_json::from_value::<V>(response).map(Ok),
     };
-    read.map_err(|e| E::from(IdempotencyError::UnreadableResponse(e)))
+    read.map_err(|e| E::from(Error::UnreadableResponse(e)))
 }

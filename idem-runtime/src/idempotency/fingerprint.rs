@@ -27,7 +27,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use super::IdempotencyError;
+use crate::error::Error;
 
 const DOMAIN: &[u8] = b"idem-fp-v1";
 
@@ -41,12 +41,11 @@ pub struct Field {
 impl Field {
     /// Serialize `value` for the fingerprint. Fails (before anything is
     /// written) when serde cannot represent it, e.g. a map with non-string keys.
-    pub fn new(name: &str, value: &impl Serialize) -> Result<Field, IdempotencyError> {
-        let value =
-            serde_json::to_value(value).map_err(|source| IdempotencyError::Unserializable {
-                what: format!("fingerprint field `{name}`"),
-                source,
-            })?;
+    pub fn new(name: &str, value: &impl Serialize) -> Result<Field, Error> {
+        let value = serde_json::to_value(value).map_err(|source| Error::Unserializable {
+            what: format!("fingerprint field `{name}`"),
+            source,
+        })?;
         Ok(Field {
             name: name.to_owned(),
             value,
@@ -216,9 +215,6 @@ mod tests {
         let mut bad: HashMap<(i32, i32), i32> = HashMap::new();
         bad.insert((1, 2), 3);
         let err = Field::new("bad", &bad).unwrap_err();
-        assert!(
-            matches!(err, IdempotencyError::Unserializable { .. }),
-            "{err}"
-        );
+        assert!(matches!(err, Error::Unserializable { .. }), "{err}");
     }
 }

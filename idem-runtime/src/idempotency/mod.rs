@@ -18,9 +18,9 @@
 //!   never a re-run.
 //!
 //! The same key again gets: the stored response ([`Idempotent::replayed`]),
-//! or [`IdempotencyError::FingerprintMismatch`] (422) for a different
-//! request, [`IdempotencyError::InProgress`] (409), or
-//! [`IdempotencyError::OutcomeUnknown`]. Scopes are separate key spaces.
+//! or [`Error::FingerprintMismatch`] (422) for a different
+//! request, [`Error::InProgress`] (409), or
+//! [`Error::OutcomeUnknown`]. Scopes are separate key spaces.
 
 mod admin;
 mod call;
@@ -71,7 +71,7 @@ pub struct IdempotencyConfig {
     /// reported as outcome unknown. Default 30 s.
     pub lease: Duration,
     /// How long a duplicate waits for an in-progress record (external mode)
-    /// before answering [`IdempotencyError::InProgress`]. Default 0: at once.
+    /// before answering [`Error::InProgress`]. Default 0: at once.
     pub wait: Duration,
     /// Largest stored response, in bytes of JSON. Default 64 KiB.
     pub max_response_bytes: usize,
@@ -125,84 +125,14 @@ impl Default for IdempotencyConfig {
 pub const OUTCOME_UNKNOWN_MESSAGE: &str =
     "the request may have reached the target system; its outcome is decided there; not retried";
 
-/// What can go wrong with an idempotency key, each with its HTTP status.
-#[derive(Debug, thiserror::Error)]
-pub enum IdempotencyError {
-    /// The key is empty, longer than 255 bytes, or has control characters (400).
-    #[error("invalid idempotency key: {reason}")]
-    InvalidKey {
-        /// What is wrong with it.
-        reason: &'static str,
-    },
-    /// No key was given where one is required (400).
-    #[error("an idempotency key is required for this request")]
-    MissingKey,
-    /// The key was used before for a different request (422). Nothing was
-    /// written, and the stored response is not revealed.
-    #[error("this idempotency key was already used for a different request")]
-    FingerprintMismatch,
-    /// The first request with this key is still running (409).
-    #[error("a request with this idempotency key is still in progress")]
-    InProgress,
-    /// The first request may have reached an outside system and its outcome is
-    /// not known here; it is not retried (until [`settle`]d).
-    #[error("{}", OUTCOME_UNKNOWN_MESSAGE)]
-    OutcomeUnknown,
-    /// A fingerprint field, the scope or the response could not be serialized;
-    /// nothing was written.
-    #[error("could not serialize {what}: {source}")]
-    Unserializable {
-        /// Which value.
-        what: String,
-        /// serde's error.
-        source: serde_json::Error,
-    },
-    /// The stored response could not be read back as the function's type (the
-    /// type changed since it was stored).
-    #[error("the stored response for this key cannot be read back: {0}")]
-    UnreadableResponse(serde_json::Error),
-    /// The response is larger than [`IdempotencyConfig::max_response_bytes`];
-    /// nothing was committed.
-    #[error("the response is {size} bytes, over the {limit}-byte limit for stored responses")]
-    ResponseTooLarge {
-        /// Its size in bytes of JSON.
-        size: usize,
-        /// The configured limit.
-        limit: usize,
-    },
-    /// External mode: the claim of this key was settled by hand, or its
-    /// lease ran out and another request took the key, while this request
-    /// ran. Its writes were rolled back; nothing was committed (409).
-    #[error(
-        "the claim of this idempotency key was lost while the request ran; nothing was committed"
-    )]
-    ClaimLost,
-    /// The database failed.
-    #[error("database error: {0}")]
-    Database(#[from] diesel::result::Error),
-}
+pub use crate::error::Error;
 
-impl IdempotencyError {
-    /// The HTTP status a handler usually answers with.
-    pub fn http_status(&self) -> u16 {
-        match self {
-            IdempotencyError::InvalidKey { .. } | IdempotencyError::MissingKey => 400,
-            IdempotencyError::FingerprintMismatch => 422,
-            IdempotencyError::InProgress | IdempotencyError::ClaimLost => 409,
-            IdempotencyError::OutcomeUnknown => 502,
-            _ => 500,
-        }
-    }
-}
-
-impl crate::retry::Transient for IdempotencyError {
-    fn transient(&self) -> Option<crate::retry::RetryCause> {
-        match self {
-            IdempotencyError::Database(e) => crate::retry::Transient::transient(e),
-            _ => None,
-        }
-    }
-}
+/// What can go wrong with an idempotency key, now variants of [`Error`].
+#[deprecated(
+    since = "0.2.0",
+    note = "use `idem::Error`: retry and idempotency failures are one type"
+)]
+pub type IdempotencyError = Error;
 
 /// The result of an idempotent function: the value, and whether it is the
 /// stored result of an earlier request with the same key (seed 001's
@@ -229,38 +159,38 @@ impl<T> std::ops::Deref for Idempotent<T> {
     }
 }
 
-/// What an idempotent function's error type must tell idem.
+/// Which errors of an idempotent function are *final*: stored under the key
+/// and replayed to later requests (declined, insufficient funds), rather than
+/// run again. Write it with [`final_errors!`](crate::final_errors) in one
+/// line; implement it by hand for external mode's [`nothing_sent`](Self::nothing_sent).
 ///
 /// ```
-/// use idem_runtime::idempotency::{IdempotencyError, IdempotentError};
-///
 /// #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 /// enum Declined { InsufficientFunds }
 ///
-/// enum AppError { Idem(IdempotencyError), Declined(Declined), Timeout }
-/// impl From<IdempotencyError> for AppError {
-///     fn from(e: IdempotencyError) -> Self { AppError::Idem(e) }
+/// #[derive(Debug, thiserror::Error)]
+/// enum AppError {
+///     #[error(transparent)]
+///     Idem(#[from] idem_runtime::Error),
+///     #[error("declined: {0:?}")]
+///     Declined(Declined),
 /// }
-/// impl IdempotentError for AppError {
-///     type Final = Declined;
-///     fn to_final(&self) -> Option<Declined> {
-///         match self { AppError::Declined(d) => Some(d.clone()), _ => None }
-///     }
-///     fn from_final(d: Declined) -> Self { AppError::Declined(d) }
-/// }
+/// idem_runtime::final_errors!(AppError::Declined(Declined));
 /// ```
 #[diagnostic::on_unimplemented(
     message = "`{Self}` does not say which of its errors are final for an idempotency key",
     label = "the error type of this #[idempotent] function",
-    note = "implement `idem::IdempotentError` for `{Self}` (and `From<idem::IdempotencyError>`): `to_final` returns the errors stored and replayed under the key (declined, insufficient funds), `None` for errors after which a retry should run again"
+    note = "add `idem::final_errors!({Self}::Variant(StoredType));` for the variant stored and replayed under the key, or `idem::final_errors!({Self});` when there is none"
 )]
-pub trait IdempotentError: From<IdempotencyError> + Sized {
+pub trait IdempotentError: From<Error> + Sized {
     /// The stored form of final errors. Use [`NoFinalErrors`] when there are none.
     type Final: Serialize + DeserializeOwned;
     /// This error's stored form, when it is final: it is then recorded under
     /// the key (the body's writes rolled back) and replayed to later callers.
     fn to_final(&self) -> Option<Self::Final>;
-    /// Rebuild a replayed final error.
+    /// Rebuild a final error for a *replay*: idem calls this only when it
+    /// answers a request from a stored record (the request that ran gets its
+    /// own error back), so the error it builds is a replay by construction.
     fn from_final(stored: Self::Final) -> Self;
     /// External mode: true when this failure proves the request never left
     /// (e.g. validation before sending), so the claim is released and the key
@@ -270,24 +200,61 @@ pub trait IdempotentError: From<IdempotencyError> + Sized {
     }
 }
 
+/// Implement [`IdempotentError`] in one line.
+///
+/// `final_errors!(AppError::Declined(Declined))`: the variant `Declined`
+/// wrapping the (`Clone + Serialize + Deserialize`) type `Declined` is
+/// stored and replayed; `final_errors!(AppError)`: no error is final.
+#[macro_export]
+macro_rules! final_errors {
+    ($ty:ident :: $variant:ident ($stored:ty)) => {
+        impl $crate::IdempotentError for $ty {
+            type Final = $stored;
+            fn to_final(&self) -> ::core::option::Option<$stored> {
+                #[allow(unreachable_patterns)]
+                match self {
+                    $ty::$variant(stored) => {
+                        ::core::option::Option::Some(::core::clone::Clone::clone(stored))
+                    }
+                    _ => ::core::option::Option::None,
+                }
+            }
+            fn from_final(stored: $stored) -> Self {
+                $ty::$variant(stored)
+            }
+        }
+    };
+    ($ty:ty) => {
+        impl $crate::IdempotentError for $ty {
+            type Final = $crate::NoFinalErrors;
+            fn to_final(&self) -> ::core::option::Option<$crate::NoFinalErrors> {
+                ::core::option::Option::None
+            }
+            fn from_final(stored: $crate::NoFinalErrors) -> Self {
+                match stored {}
+            }
+        }
+    };
+}
+
 /// `IdempotentError::Final` for error types without final errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum NoFinalErrors {}
 
 /// Check a caller-supplied key: 1 to 255 bytes, no control characters.
-pub fn validate_key(key: &str) -> Result<(), IdempotencyError> {
+pub fn validate_key(key: &str) -> Result<(), Error> {
     if key.is_empty() {
-        return Err(IdempotencyError::InvalidKey {
+        return Err(Error::InvalidKey {
             reason: "it is empty",
         });
     }
     if key.len() > 255 {
-        return Err(IdempotencyError::InvalidKey {
+        return Err(Error::InvalidKey {
             reason: "it is longer than 255 bytes",
         });
     }
     if key.chars().any(char::is_control) {
-        return Err(IdempotencyError::InvalidKey {
+        return Err(Error::InvalidKey {
             reason: "it contains control characters",
         });
     }
@@ -307,7 +274,7 @@ pub fn derived_key(scope: &str, operation: &str, fingerprint: &[u8; 32]) -> Stri
 }
 
 /// A value usable as `key = ..`: a string, or an `Option` of one (`None` is
-/// [`IdempotencyError::MissingKey`]).
+/// [`Error::MissingKey`]).
 pub trait KeyInput {
     /// The key, if there is one.
     fn key(&self) -> Option<&str>;
@@ -360,26 +327,20 @@ mod tests {
     fn keys_are_validated() {
         assert!(validate_key("idem-order-1001").is_ok());
         assert!(validate_key(&"k".repeat(255)).is_ok());
-        assert!(matches!(
-            validate_key(""),
-            Err(IdempotencyError::InvalidKey { .. })
-        ));
+        assert!(matches!(validate_key(""), Err(Error::InvalidKey { .. })));
         assert!(matches!(
             validate_key(&"k".repeat(256)),
-            Err(IdempotencyError::InvalidKey { .. })
+            Err(Error::InvalidKey { .. })
         ));
         assert!(matches!(
             validate_key("a\nb"),
-            Err(IdempotencyError::InvalidKey { .. })
+            Err(Error::InvalidKey { .. })
         ));
         assert!(matches!(
             validate_key("a\u{7f}"),
-            Err(IdempotencyError::InvalidKey { .. })
+            Err(Error::InvalidKey { .. })
         ));
-        assert_eq!(
-            IdempotencyError::InvalidKey { reason: "x" }.http_status(),
-            400
-        );
+        assert_eq!(Error::InvalidKey { reason: "x" }.http_status(), 400);
     }
 
     #[test]

@@ -11,9 +11,8 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use super::store::{self, Claim, ClaimOrRead, Read};
-use super::{
-    derived_key, fingerprint, validate_key, Field, IdempotencyConfig, IdempotencyError, Mode,
-};
+use super::{derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode};
+use crate::error::Error;
 
 /// One idempotent request, validated.
 #[derive(Debug, Clone)]
@@ -49,7 +48,7 @@ pub(crate) enum Found {
     /// A completed record: its outcome (`ok` / `error`) and response.
     Replay(Option<String>, Option<serde_json::Value>),
     /// The answer is a refusal.
-    Refused(IdempotencyError),
+    Refused(Error),
 }
 
 /// What the claim statement found.
@@ -70,19 +69,18 @@ impl Request {
         key: Option<Option<&str>>,
         scope: &impl Serialize,
         fields: &[Field],
-    ) -> Result<Request, IdempotencyError> {
-        let scope =
-            serde_json::to_string(scope).map_err(|source| IdempotencyError::Unserializable {
-                what: "the scope".to_owned(),
-                source,
-            })?;
+    ) -> Result<Request, Error> {
+        let scope = serde_json::to_string(scope).map_err(|source| Error::Unserializable {
+            what: "the scope".to_owned(),
+            source,
+        })?;
         let fingerprint = fingerprint::fingerprint(fields);
         let key = match key {
             Some(Some(key)) => {
                 validate_key(key)?;
                 key.to_owned()
             }
-            Some(None) => return Err(IdempotencyError::MissingKey),
+            Some(None) => return Err(Error::MissingKey),
             None => derived_key(&scope, operation, &fingerprint),
         };
         Ok(Request {
@@ -169,35 +167,31 @@ impl Request {
         // Compare the request before anything else: a different request must
         // not even learn whether the first one finished.
         if stored.operation != self.operation || stored.fingerprint != self.fingerprint {
-            return Found::Refused(IdempotencyError::FingerprintMismatch);
+            return Found::Refused(Error::FingerprintMismatch);
         }
         let mine = self.owner().is_some() && stored.owner.as_deref() == self.owner();
         match stored.state.as_str() {
             store::COMPLETED => Found::Replay(stored.outcome, stored.response),
             store::IN_PROGRESS if mine => Found::Mine,
             store::IN_PROGRESS if stored.lease_expired != Some(true) => {
-                Found::Refused(IdempotencyError::InProgress)
+                Found::Refused(Error::InProgress)
             }
             // Unknown, or in progress past its lease: never an automatic re-run.
-            _ => Found::Refused(IdempotencyError::OutcomeUnknown),
+            _ => Found::Refused(Error::OutcomeUnknown),
         }
     }
 
     /// The stored form of a response or final error, within the size limit.
-    pub(crate) fn response(
-        &self,
-        value: &impl Serialize,
-    ) -> Result<serde_json::Value, IdempotencyError> {
-        let response =
-            serde_json::to_value(value).map_err(|source| IdempotencyError::Unserializable {
-                what: "the response".to_owned(),
-                source,
-            })?;
+    pub(crate) fn response(&self, value: &impl Serialize) -> Result<serde_json::Value, Error> {
+        let response = serde_json::to_value(value).map_err(|source| Error::Unserializable {
+            what: "the response".to_owned(),
+            source,
+        })?;
         let size = serde_json::to_vec(&response)
             .map(|v| v.len())
             .unwrap_or(usize::MAX);
         if size > self.config.max_response_bytes {
-            return Err(IdempotencyError::ResponseTooLarge {
+            return Err(Error::ResponseTooLarge {
                 size,
                 limit: self.config.max_response_bytes,
             });

@@ -59,36 +59,21 @@ impl fmt::Display for RetryCause {
     }
 }
 
-/// Tells the retry loop whether an error is worth replaying the transaction for.
+/// Whether a failure is worth replaying the transaction for.
 ///
-/// Implemented for diesel's error and for [`VersionedError`]; implement it for
-/// your own error type by delegating to the variants that wrap those:
+/// The retry loop does not ask your error type: it classifies the failed
+/// statements it sees on the attempt's connection, and the version conflicts
+/// of its versioned writes, with this trait's implementations for diesel's
+/// error and [`VersionedError`]. They are public for code that classifies by
+/// hand (a handler choosing a status, say).
 ///
 /// ```
-/// use idem_runtime::retry::{RetryCause, RetryError, Transient};
+/// use idem_runtime::retry::{RetryCause, Transient};
+/// use diesel::result::{DatabaseErrorKind, Error};
 ///
-/// enum AppError {
-///     Db(diesel::result::Error),
-///     Versioned(idem_runtime::VersionedError),
-///     Retry(RetryError),
-///     InsufficientFunds,
-/// }
-///
-/// impl Transient for AppError {
-///     fn transient(&self) -> Option<RetryCause> {
-///         match self {
-///             AppError::Db(e) => e.transient(),
-///             AppError::Versioned(e) => e.transient(),
-///             AppError::Retry(_) | AppError::InsufficientFunds => None,
-///         }
-///     }
-/// }
+/// let lost = Error::DatabaseError(DatabaseErrorKind::SerializationFailure, Box::new(String::new()));
+/// assert_eq!(lost.transient(), Some(RetryCause::SerializationFailure));
 /// ```
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` does not say which of its failures are worth replaying",
-    label = "the error type of this #[retryable] function",
-    note = "implement `idem::Transient` for `{Self}`: return `e.transient()` for variants wrapping a `diesel::result::Error` or an `idem::VersionedError`, and `None` for your own errors"
-)]
 pub trait Transient {
     /// `Some(cause)` when replaying the whole transaction may succeed.
     fn transient(&self) -> Option<RetryCause>;
@@ -138,12 +123,6 @@ impl Transient for VersionedError {
             VersionedError::Database(e) => e.transient(),
             VersionedError::NotFound | VersionedError::StateMismatch { .. } => None,
         }
-    }
-}
-
-impl Transient for super::RetryError {
-    fn transient(&self) -> Option<RetryCause> {
-        None
     }
 }
 

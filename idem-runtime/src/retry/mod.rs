@@ -9,13 +9,13 @@
 //! 3. run the body, built anew from the original arguments;
 //! 4. on `Ok`, `COMMIT`, unless a statement of the body failed and the body
 //!    swallowed the error, which would otherwise turn the `COMMIT` into a
-//!    silent rollback reported as success ([`RetryError::RolledBack`]);
+//!    silent rollback reported as success ([`Error::RolledBack`]);
 //! 5. on `Err`, `ROLLBACK` (or discard the connection when that fails), then
 //!    replay only if the error is [`Transient`] and the budget allows.
 //!
 //! A connection that breaks while `COMMIT` is in flight, or whose `COMMIT`
 //! gets no answer within [`RetryPolicy::commit_timeout`], leaves the outcome
-//! unknown: the loop returns [`RetryError::CommitUnknown`] and never replays,
+//! unknown: the loop returns [`Error::CommitUnknown`] and never replays,
 //! since the transaction may have committed. An idempotency record (see the
 //! `#[idempotent]` macro) is what tells a later request which it was.
 
@@ -198,63 +198,11 @@ impl Default for RetryPolicy {
     }
 }
 
-/// The retry loop's own failures. Convert them into your error type with
-/// `From<RetryError>` (a `#[retryable]` function requires it).
-#[derive(Debug, thiserror::Error)]
-pub enum RetryError {
-    /// Every attempt the budget allowed failed with a replayable cause. Answer
-    /// 409 (conflict) or 503 (busy); the request may be sent again.
-    #[error(
-        "gave up after {attempts} attempt(s) in {elapsed:?}; the last one failed with {last_cause}"
-    )]
-    Exhausted {
-        /// Attempts made.
-        attempts: u32,
-        /// Time from the call to giving up.
-        elapsed: Duration,
-        /// Why the last attempt failed.
-        last_cause: RetryCause,
-    },
-    /// The connection failed, or went silent, while `COMMIT` was in flight: the
-    /// transaction may or may not have committed. Not replayed. Answer 503 and
-    /// let the client retry with the same idempotency key, whose record tells.
-    #[error("the outcome of COMMIT is unknown (attempt {attempts}): the connection failed while it was in flight; not retried")]
-    CommitUnknown {
-        /// The attempt whose commit was lost.
-        attempts: u32,
-        /// Time from the call to the failure.
-        elapsed: Duration,
-    },
-    /// The body returned `Ok`, but one of its statements had failed and the
-    /// body ignored the error, so PostgreSQL would have turned the `COMMIT`
-    /// into a rollback. The transaction was rolled back; nothing was committed.
-    #[error("the transaction was rolled back: the body returned Ok, but one of its statements had failed and its error was ignored")]
-    RolledBack,
-    /// `COMMIT` was answered with an error that is not replayable (a deferred
-    /// constraint, say): nothing was committed.
-    #[error("COMMIT failed, nothing was committed: {0}")]
-    Commit(#[source] diesel::result::Error),
-    /// `BEGIN` failed for a reason that is not replayable.
-    #[error("could not begin a transaction: {0}")]
-    Begin(#[source] diesel::result::Error),
-    /// No connection could be checked out of the pool in time.
-    #[error("could not check out a connection: {0}")]
-    Pool(#[from] diesel_async::pooled_connection::deadpool::PoolError),
-    /// A retryable function was called from inside another one's attempt. Its
-    /// loop would commit on its own connection, outside the caller's
-    /// transaction, and be replayed with it: call the inner function's body
-    /// directly with the caller's connection instead.
-    #[error("a #[retryable] function was called inside another retry loop's attempt; call its body with the attempt's connection instead")]
-    Nested,
-}
+pub use crate::error::Error;
 
-impl RetryError {
-    /// The HTTP status a handler usually answers with.
-    pub fn http_status(&self) -> u16 {
-        match self {
-            RetryError::Exhausted { .. } => 409,
-            RetryError::CommitUnknown { .. } | RetryError::Pool(_) => 503,
-            _ => 500,
-        }
-    }
-}
+/// The retry loop's failures, now variants of [`Error`].
+#[deprecated(
+    since = "0.2.0",
+    note = "use `idem::Error`: retry and idempotency failures are one type"
+)]
+pub type RetryError = Error;

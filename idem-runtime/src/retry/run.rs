@@ -14,11 +14,12 @@ use scoped_futures::ScopedBoxFuture;
 use tracing::Instrument;
 
 use super::backoff;
-use super::{OnConflict, RetryCause, RetryError, RetryPolicy, Transient};
-use crate::attempt::{self, AttemptContext, ATTEMPT};
+use super::{OnConflict, RetryCause, RetryPolicy, Transient};
+use crate::attempt::{self, AttemptContext, ConflictSlot, ATTEMPT};
+use crate::error::{Error, FromIdemError};
 use crate::pool::Pool;
-use deadpool::managed::PoolError;
 use crate::tx::{CommitFailure, Tx};
+use deadpool::managed::PoolError;
 
 /// Run `body` as a retried transaction: the closure form of `#[retryable]`.
 ///
@@ -28,17 +29,14 @@ use crate::tx::{CommitFailure, Tx};
 ///
 /// ```no_run
 /// use diesel_async::RunQueryDsl;
-/// use idem_runtime::retry::{retry, RetryError, RetryPolicy};
+/// use idem_runtime::retry::{retry, RetryPolicy};
 /// use scoped_futures::ScopedFutureExt;
 ///
 /// # async fn demo(pool: &idem_runtime::pool::Pool) -> Result<(), diesel::result::Error> {
-/// #[derive(Debug)]
-/// enum AppError { Db(diesel::result::Error), Retry(RetryError) }
-/// impl From<RetryError> for AppError { fn from(e: RetryError) -> Self { AppError::Retry(e) } }
-/// impl idem_runtime::retry::Transient for AppError {
-///     fn transient(&self) -> Option<idem_runtime::retry::RetryCause> {
-///         match self { AppError::Db(e) => e.transient(), AppError::Retry(_) => None }
-///     }
+/// #[derive(Debug, thiserror::Error)]
+/// enum AppError {
+///     #[error(transparent)] Idem(#[from] idem_runtime::Error),
+///     #[error(transparent)] Db(#[from] diesel::result::Error),
 /// }
 ///
 /// let amount = 100_i64;
@@ -65,7 +63,7 @@ where
     F: for<'c> FnMut(&'c mut AsyncPgConnection) -> ScopedBoxFuture<'a, 'c, Result<T, E>>
         + Send
         + 'a,
-    E: Transient + From<RetryError>,
+    E: FromIdemError,
 {
     let mut retry_loop = RetryLoop::new(pool, policy, name);
     loop {
@@ -109,12 +107,14 @@ pub struct RetryLoop<'p> {
     started: Instant,
     attempts: u32,
     lock_rows: bool,
+    /// A version conflict met by the current attempt's versioned writes.
+    conflict: ConflictSlot,
     span: tracing::Span,
 }
 
 /// One attempt's connection, with its transaction open. Dropping it (the
 /// caller's future was cancelled mid-attempt) closes the transaction: see
-/// [`crate::tx`].
+/// the crate's transaction driver.
 pub struct Attempt {
     tx: Tx,
 }
@@ -147,6 +147,7 @@ impl<'p> RetryLoop<'p> {
             started: Instant::now(),
             attempts: 0,
             lock_rows: false,
+            conflict: ConflictSlot::default(),
             span,
         }
     }
@@ -164,9 +165,9 @@ impl<'p> RetryLoop<'p> {
     /// Start the next attempt: a fresh checkout and `BEGIN`. A connection
     /// that cannot be set up or that broke while idle in the pool ran nothing
     /// yet, so another one is tried within the budget.
-    pub async fn begin(&mut self) -> Result<Attempt, RetryError> {
+    pub async fn begin(&mut self) -> Result<Attempt, Error> {
         if attempt::inside_attempt() {
-            return Err(RetryError::Nested);
+            return Err(Error::Nested);
         }
         loop {
             self.attempts += 1;
@@ -179,13 +180,13 @@ impl<'p> RetryLoop<'p> {
                     tracing::info!(parent: &self.span, error = %err, "could not set up a connection");
                     if let ControlFlow::Break(_) = self.back_off(RetryCause::ConnectionLost).await {
                         self.record_end("pool_error");
-                        return Err(RetryError::Pool(PoolError::Backend(err)));
+                        return Err(Error::Pool(PoolError::Backend(err)));
                     }
                     continue;
                 }
                 Err(err) => {
                     self.record_end("pool_error");
-                    return Err(RetryError::Pool(err));
+                    return Err(Error::Pool(err));
                 }
             };
             match Tx::begin(conn, self.policy.isolation)
@@ -205,7 +206,7 @@ impl<'p> RetryLoop<'p> {
                 }
                 Err(failure) => {
                     self.record_end("begin_failed");
-                    return Err(RetryError::Begin(failure.0));
+                    return Err(Error::Begin(failure.0));
                 }
             }
         }
@@ -214,7 +215,10 @@ impl<'p> RetryLoop<'p> {
     /// Run one attempt's body with the attempt's context (attempt number, row
     /// locking) visible to versioned reads, inside the attempt's span.
     pub fn scope<F: Future>(&self, body: F) -> impl Future<Output = F::Output> {
+        self.conflict.take();
         let ctx = AttemptContext {
+            conflict: self.conflict.clone(),
+            reads: Default::default(),
             attempt: self.attempts,
             lock_rows: self.lock_rows,
             hot_row_memory: (self.policy.on_conflict == OnConflict::Lock)
@@ -233,7 +237,7 @@ impl<'p> RetryLoop<'p> {
         result: Result<Step<T>, E>,
     ) -> ControlFlow<Result<T, E>>
     where
-        E: Transient + From<RetryError>,
+        E: FromIdemError,
     {
         let timeout = self.policy.commit_timeout;
         let cause = match result {
@@ -286,12 +290,16 @@ impl<'p> RetryLoop<'p> {
                 }
             }
             Err(err) => {
+                // What failed on the attempt decides, not the error the body
+                // chose to return: a dead transaction is replayed whatever
+                // the body made of its error.
+                let observed = attempt.tx.failure_cause().or_else(|| self.conflict.take());
                 attempt
                     .tx
                     .roll_back(timeout)
                     .instrument(self.span.clone())
                     .await;
-                match err.transient() {
+                match observed {
                     Some(cause) if self.policy.replays(cause) => cause,
                     _ => return self.done(Err(err), "failed"),
                 }
@@ -304,20 +312,20 @@ impl<'p> RetryLoop<'p> {
         }
     }
 
-    fn commit_failed<T, E: From<RetryError>>(
+    fn commit_failed<T, E: FromIdemError>(
         &self,
         failure: CommitFailure,
     ) -> ControlFlow<Result<T, E>> {
         let (err, label) = match failure {
             CommitFailure::Unknown => (
-                RetryError::CommitUnknown {
+                Error::CommitUnknown {
                     attempts: self.attempts,
                     elapsed: self.started.elapsed(),
                 },
                 "commit_unknown",
             ),
-            CommitFailure::RolledBack => (RetryError::RolledBack, "rolled_back"),
-            CommitFailure::Failed(err) => (RetryError::Commit(err), "commit_failed"),
+            CommitFailure::RolledBack => (Error::RolledBack, "rolled_back"),
+            CommitFailure::Failed(err) => (Error::Commit(err), "commit_failed"),
         };
         self.done(Err(E::from(err)), label)
     }
@@ -346,7 +354,7 @@ impl<'p> RetryLoop<'p> {
     }
 
     /// Decide whether another attempt fits the budget, and sleep before it.
-    async fn back_off(&mut self, cause: RetryCause) -> ControlFlow<RetryError> {
+    async fn back_off(&mut self, cause: RetryCause) -> ControlFlow<Error> {
         if cause.is_write_conflict() && self.policy.on_conflict == OnConflict::Lock {
             self.lock_rows = true;
         }
@@ -362,7 +370,7 @@ impl<'p> RetryLoop<'p> {
             tracing::info!(parent: &self.span, function = self.name, attempts = self.attempts, elapsed_ms = elapsed.as_millis() as u64, cause = cause.as_str(), "retry budget exhausted");
             #[cfg(feature = "metrics")]
             metrics::counter!("idem_retry_exhausted_total", "function" => self.name, "cause" => cause.as_str()).increment(1);
-            return ControlFlow::Break(RetryError::Exhausted {
+            return ControlFlow::Break(Error::Exhausted {
                 attempts: self.attempts,
                 elapsed,
                 last_cause: cause,
@@ -381,7 +389,7 @@ fn assert_send(pool: &Pool) {
     send(async move {
         let mut retry_loop = RetryLoop::new(pool, RetryPolicy::new(), "assert_send");
         let attempt = retry_loop.begin().await?;
-        let result: Result<Step<()>, RetryError> = Ok(Step::Commit(()));
+        let result: Result<Step<()>, Error> = Ok(Step::Commit(()));
         match retry_loop.finish(attempt, result).await {
             ControlFlow::Break(outcome) => outcome,
             ControlFlow::Continue(()) => Ok(()),

@@ -399,9 +399,14 @@ impl<M: Versioned, T> Find<M, T> {
     {
         Pending::new(async move {
             let lock = attempt::lock_row::<M, _>(&self.key);
-            M::__load(conn, self.tenant.into_tenant(), self.key, lock)
+            let read = attempt::row_in_attempt::<M, _>(&self.key);
+            let row = M::__load(conn, self.tenant.into_tenant(), self.key, lock)
                 .await?
-                .ok_or(VersionedError::NotFound)
+                .ok_or(VersionedError::NotFound)?;
+            if let Some(read) = read {
+                attempt::note_read(read, row.version());
+            }
+            Ok(row)
         })
     }
 }
@@ -614,7 +619,7 @@ async fn classify<M: Versioned>(
         },
     };
     if matches!(err, VersionedError::Stale { .. }) {
-        attempt::note_stale(row);
+        attempt::note_stale(row, expected);
     }
     err
 }

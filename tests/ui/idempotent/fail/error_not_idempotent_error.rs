@@ -1,33 +1,16 @@
 use diesel_async::AsyncPgConnection;
-use idem::{idempotent, IdempotencyError, RetryCause, RetryError, Transient};
+use idem::idempotent;
 
-// Transient, but it does not say which of its errors are final.
+// It carries idem's errors, but does not say which of its errors are final.
 #[derive(Debug)]
 pub enum AppError {
     Db(diesel::result::Error),
-    Idem(IdempotencyError),
-    Retry(RetryError),
+    Idem(idem::Error),
 }
 
-impl From<IdempotencyError> for AppError {
-    fn from(e: IdempotencyError) -> Self {
+impl From<idem::Error> for AppError {
+    fn from(e: idem::Error) -> Self {
         AppError::Idem(e)
-    }
-}
-
-impl From<RetryError> for AppError {
-    fn from(e: RetryError) -> Self {
-        AppError::Retry(e)
-    }
-}
-
-impl Transient for AppError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            AppError::Db(e) => e.transient(),
-            AppError::Idem(e) => e.transient(),
-            AppError::Retry(_) => None,
-        }
     }
 }
 

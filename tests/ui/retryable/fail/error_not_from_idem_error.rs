@@ -1,17 +1,11 @@
 use diesel_async::AsyncPgConnection;
-use idem::{retryable, RetryError};
+use idem::retryable;
 
-// The loop cannot tell which of these failures are worth replaying.
+// The function's error type has no room for idem's own failures (a budget
+// that ran out, a commit whose outcome is unknown).
 #[derive(Debug)]
 enum AppError {
     Db(diesel::result::Error),
-    Retry(RetryError),
-}
-
-impl From<RetryError> for AppError {
-    fn from(e: RetryError) -> Self {
-        AppError::Retry(e)
-    }
 }
 
 #[retryable]

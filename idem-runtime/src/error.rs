@@ -1,0 +1,172 @@
+//! The one error type of idem's own failures: the retry loop's, the
+//! idempotency record's, and the database's under them.
+//!
+//! A function under `#[retryable]` or `#[idempotent]` returns your error
+//! type; it needs one conversion, `From<idem::Error>`, and nothing else:
+//! whether a failed attempt is worth replaying is decided by what happened
+//! on the attempt's connection (a serialization failure, a deadlock, a lost
+//! connection, a version conflict), never by asking your type, so no variant
+//! can be forgotten.
+//!
+//! ```
+//! #[derive(Debug, thiserror::Error)]
+//! enum AppError {
+//!     #[error(transparent)]
+//!     Idem(#[from] idem_runtime::Error),
+//!     #[error(transparent)]
+//!     Db(#[from] diesel::result::Error),
+//!     #[error("insufficient funds")]
+//!     InsufficientFunds,
+//! }
+//! ```
+
+use std::time::Duration;
+
+use crate::retry::RetryCause;
+
+/// idem's own failures, each with the HTTP status a handler usually answers.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Every attempt the budget allowed failed with a replayable cause. Answer
+    /// 409 (conflict) or 503 (busy); the request may be sent again.
+    #[error(
+        "gave up after {attempts} attempt(s) in {elapsed:?}; the last one failed with {last_cause}"
+    )]
+    Exhausted {
+        /// Attempts made.
+        attempts: u32,
+        /// Time from the call to giving up.
+        elapsed: Duration,
+        /// Why the last attempt failed.
+        last_cause: RetryCause,
+    },
+    /// The connection failed, or went silent, while `COMMIT` was in flight: the
+    /// transaction may or may not have committed. Not replayed. Answer 503 and
+    /// let the client retry with the same idempotency key, whose record tells.
+    #[error("the outcome of COMMIT is unknown (attempt {attempts}): the connection failed while it was in flight; not retried")]
+    CommitUnknown {
+        /// The attempt whose commit was lost.
+        attempts: u32,
+        /// Time from the call to the failure.
+        elapsed: Duration,
+    },
+    /// The body returned `Ok`, but one of its statements had failed and the
+    /// body ignored the error, so PostgreSQL would have turned the `COMMIT`
+    /// into a rollback. The transaction was rolled back; nothing was committed.
+    #[error("the transaction was rolled back: the body returned Ok, but one of its statements had failed and its error was ignored")]
+    RolledBack,
+    /// `COMMIT` was answered with an error that is not replayable (a deferred
+    /// constraint, say): nothing was committed.
+    #[error("COMMIT failed, nothing was committed: {0}")]
+    Commit(#[source] diesel::result::Error),
+    /// `BEGIN` failed for a reason that is not replayable.
+    #[error("could not begin a transaction: {0}")]
+    Begin(#[source] diesel::result::Error),
+    /// No connection could be checked out of the pool in time.
+    #[error("could not check out a connection: {0}")]
+    Pool(#[from] diesel_async::pooled_connection::deadpool::PoolError),
+    /// A retryable function was called from inside another one's attempt. Its
+    /// loop would commit on its own connection, outside the caller's
+    /// transaction, and be replayed with it: call the inner function's body
+    /// directly with the caller's connection instead.
+    #[error("a #[retryable] function was called inside another retry loop's attempt; call its body with the attempt's connection instead")]
+    Nested,
+
+    /// The key is empty, longer than 255 bytes, or has control characters (400).
+    #[error("invalid idempotency key: {reason}")]
+    InvalidKey {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// No key was given where one is required (400).
+    #[error("an idempotency key is required for this request")]
+    MissingKey,
+    /// The key was used before for a different request (422). Nothing was
+    /// written, and the stored response is not revealed.
+    #[error("this idempotency key was already used for a different request")]
+    FingerprintMismatch,
+    /// The first request with this key is still running (409).
+    #[error("a request with this idempotency key is still in progress")]
+    InProgress,
+    /// The first request may have reached an outside system and its outcome is
+    /// not known here; it is not retried (until [`settle`](crate::idempotency::settle)d).
+    #[error("{}", crate::idempotency::OUTCOME_UNKNOWN_MESSAGE)]
+    OutcomeUnknown,
+    /// A fingerprint field, the scope or the response could not be serialized;
+    /// nothing was written.
+    #[error("could not serialize {what}: {source}")]
+    Unserializable {
+        /// Which value.
+        what: String,
+        /// serde's error.
+        source: serde_json::Error,
+    },
+    /// The stored response could not be read back as the function's type (the
+    /// type changed since it was stored).
+    #[error("the stored response for this key cannot be read back: {0}")]
+    UnreadableResponse(serde_json::Error),
+    /// The response is larger than [`IdempotencyConfig::max_response_bytes`](crate::IdempotencyConfig::max_response_bytes);
+    /// nothing was committed.
+    #[error("the response is {size} bytes, over the {limit}-byte limit for stored responses")]
+    ResponseTooLarge {
+        /// Its size in bytes of JSON.
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// External mode: the claim of this key was settled by hand, or its
+    /// lease ran out and another request took the key, while this request
+    /// ran. Its writes were rolled back; nothing was committed (409).
+    #[error(
+        "the claim of this idempotency key was lost while the request ran; nothing was committed"
+    )]
+    ClaimLost,
+    /// A statement idem ran for the request failed, for a reason that is
+    /// not replayable (or after the budget ran out).
+    #[error("database error: {0}")]
+    Database(#[from] diesel::result::Error),
+}
+
+impl Error {
+    /// The HTTP status a handler usually answers with: 400 for a bad key,
+    /// 409 for a conflict that a later retry may win, 422 for a key reused
+    /// for another request, 502 when an outside system may have acted, 503
+    /// when the database is busy, unreachable, or the commit's outcome is
+    /// unknown (retry with the same key), 500 otherwise.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            Error::InvalidKey { .. } | Error::MissingKey => 400,
+            Error::FingerprintMismatch => 422,
+            Error::Exhausted { .. } | Error::InProgress | Error::ClaimLost => 409,
+            Error::OutcomeUnknown => 502,
+            Error::CommitUnknown { .. } | Error::Pool(_) => 503,
+            _ => 500,
+        }
+    }
+
+    /// True when the commit's outcome is unknown: the same request sent
+    /// again with the same idempotency key finds out what happened.
+    pub fn is_commit_unknown(&self) -> bool {
+        matches!(self, Error::CommitUnknown { .. })
+    }
+}
+
+impl crate::retry::Transient for Error {
+    fn transient(&self) -> Option<RetryCause> {
+        match self {
+            Error::Database(e) => e.transient(),
+            _ => None,
+        }
+    }
+}
+
+/// Names the error types a `#[retryable]` or `#[idempotent]` function may
+/// return: those that can carry idem's own failures.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot carry idem's own failures",
+    label = "the error type of this function",
+    note = "add a variant `Idem(#[from] idem::Error)` to `{Self}` (or implement `From<idem::Error>` for it)"
+)]
+pub trait FromIdemError: From<Error> {}
+impl<T: From<Error>> FromIdemError for T {}
