@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{idempotent, retryable, IdempotentError, NoFinalErrors, Pool};
+use idem::{idempotent, retryable, Deferred, IdempotentError, NoFinalErrors, Pool};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -169,8 +169,9 @@ async fn pay_local(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<Pay
     mode = external
 )]
 #[retryable(max = 4, deadline_ms = 800)]
-async fn pay_external(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<Payment, AppError> {
-    write_payment(conn, cmd).await
+async fn pay_external(db: &mut Deferred<'_>, cmd: &PaymentCmd) -> Result<Payment, AppError> {
+    // (The outside call would be here, with nothing open.)
+    write_payment(db.conn().await?, cmd).await
 }
 
 /// One pool of one connection per contender, so none reuses another's

@@ -28,7 +28,7 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::idempotency::current_key;
-use idem::{idempotent, IdempotentError, NoFinalErrors};
+use idem::{idempotent, Deferred, IdempotentError, NoFinalErrors};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -198,8 +198,11 @@ async fn plan_tasks(conn: &mut AsyncPgConnection, call: &ToolCall) -> Result<Vec
     mode = external,
     lease_ms = 500
 )]
-async fn refund(conn: &mut AsyncPgConnection, call: &ToolCall) -> Result<Refund, AppError> {
-    let _ = conn;
+async fn refund(db: &mut Deferred<'_>, call: &ToolCall) -> Result<Refund, AppError> {
+    // Nothing of the database is held during the call: the claim committed
+    // before it, and the outcome's transaction begins only if the body asks
+    // (`db.conn().await?`) or when idem records the response.
+    let _ = db;
     let order = call.arg("order")?.to_owned();
     let key = current_key().expect("the body of an idempotent fn runs under its key");
     let target = TARGET.get().copied().expect("the stub is running");

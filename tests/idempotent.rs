@@ -14,7 +14,7 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::idempotency::{current_key, purge_expired, settle, Settlement, OUTCOME_UNKNOWN_MESSAGE};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{idempotent, retryable, IdempotentError, Pool, VersionedError};
+use idem::{idempotent, retryable, Deferred, IdempotentError, Pool, VersionedError};
 use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, Semaphore};
@@ -873,12 +873,16 @@ impl Target {
         target
     }
 
-    async fn call(&self, conn: &mut AsyncPgConnection, cmd: &SendCmd) -> Result<String, AppError> {
-        insert_effect(conn, &format!("sent:{}", cmd.key), cmd.amount).await?;
+    /// The outside call (held while `hold` is set), then the local writes
+    /// that commit with the outcome.
+    async fn call(&self, db: &mut Deferred<'_>, cmd: &SendCmd) -> Result<String, AppError> {
+        assert!(!db.is_open(), "nothing is open while the outside call runs");
         self.started.add_permits(1);
         if std::sync::atomic::AtomicBool::load(&self.hold, Ordering::SeqCst) {
             self.release.acquire().await.unwrap().forget();
         }
+        let conn = db.conn().await?;
+        insert_effect(conn, &format!("sent:{}", cmd.key), cmd.amount).await?;
         self.script.run(conn).await?;
         Ok(format!(
             "receipt:{}",
@@ -897,32 +901,28 @@ impl Target {
 
 #[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external)]
 #[retryable(max = 3, deadline_ms = 30000)]
-async fn send(
-    conn: &mut AsyncPgConnection,
-    cmd: &SendCmd,
-    target: &Target,
-) -> Result<String, AppError> {
-    target.call(conn, cmd).await
+async fn send(db: &mut Deferred<'_>, cmd: &SendCmd, target: &Target) -> Result<String, AppError> {
+    target.call(db, cmd).await
 }
 
 /// The same operation; a duplicate waits for the first request's outcome.
 #[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external, wait_ms = 20000)]
 async fn send_waiting(
-    conn: &mut AsyncPgConnection,
+    db: &mut Deferred<'_>,
     cmd: &SendCmd,
     target: &Target,
 ) -> Result<String, AppError> {
-    target.call(conn, cmd).await
+    target.call(db, cmd).await
 }
 
 /// The same operation with a lease shorter than the call.
 #[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external, lease_ms = 300)]
 async fn send_leased(
-    conn: &mut AsyncPgConnection,
+    db: &mut Deferred<'_>,
     cmd: &SendCmd,
     target: &Target,
 ) -> Result<String, AppError> {
-    target.call(conn, cmd).await
+    target.call(db, cmd).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -934,6 +934,20 @@ async fn external_claims_commit_before_the_body_and_duplicates_wait_or_are_told(
         tokio::spawn(async move { send(&env.pool, &send_cmd("x-1", 30), &target).await })
     };
     target.wait_started().await;
+    // Phase 2: while the outside call runs, no transaction is open and every
+    // pooled connection is back in the pool.
+    let status = env.pool.status();
+    assert_eq!(
+        status.available, status.size,
+        "the pool has its connections back during the outside call: {status:?}"
+    );
+    let open = env
+        .scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND xact_start IS NOT NULL AND pid <> pg_backend_pid()",
+        )
+        .await;
+    assert_eq!(open, 0, "no transaction is open during the outside call");
     // The claim is committed while the body runs: another connection sees it.
     let row = env
         .client

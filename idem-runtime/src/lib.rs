@@ -20,7 +20,7 @@ pub use migrate::{migrate, MigrateError, MigrationReport};
 pub use pool::Pool;
 #[allow(deprecated)]
 pub use retry::RetryError;
-pub use retry::{Isolation, OnConflict, RetryCause, RetryPolicy, Transient};
+pub use retry::{Deferred, Isolation, OnConflict, RetryCause, RetryPolicy, Transient};
 pub use versioned::backstop::install_version_guard;
 pub use versioned::{NoState, Versioned, VersionedChanges, VersionedError};
 

@@ -6,7 +6,9 @@ use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
 
 use super::parse::{Idempotent, ModeArg};
-use crate::retryable::expand::{attempt_run, function_name, policy, pool_signature, return_type};
+use crate::retryable::expand::{
+    attempt_run, attempt_run_with, function_name, policy, pool_signature, return_type,
+};
 use crate::retryable::parse::Retryable;
 
 fn config(parsed: &Idempotent) -> TokenStream {
@@ -152,7 +154,14 @@ pub(crate) fn idempotent(
             })
             .collect(),
     };
-    let run = attempt_run(shape, &attempt);
+    // External mode: the body gets the deferred handle, and nothing is open
+    // while it calls the other system.
+    let run = match parsed.mode {
+        ModeArg::External => {
+            attempt_run_with(shape, quote!(&mut ::idem::Deferred::new(&mut #attempt)))
+        }
+        ModeArg::Local => attempt_run(shape, &attempt),
+    };
     let err_ty = quote_spanned!(ret_span=> #parts::Err);
     let ok_ty = quote_spanned!(ret_span=> #parts::Ok);
 
@@ -175,16 +184,16 @@ pub(crate) fn idempotent(
         let mut #call = ::idem::__private::Call::<#err_ty>::new(#request);
         let mut #retry_loop = ::idem::__private::RetryLoop::new(#pool, #policy, #name);
         let #outcome = loop {
-            let mut #attempt = match #retry_loop.begin().await {
+            let mut #attempt = match #retry_loop.begin_with(#call.begin()).await {
                 ::core::result::Result::Ok(#attempt) => #attempt,
                 ::core::result::Result::Err(#error) => break ::core::result::Result::Err(#into_err),
             };
             let #result = #retry_loop.scope(::idem::__private::under_key(::std::borrow::ToOwned::to_owned(#call.request().key()), async {
-                if let ::core::option::Option::Some(#outcome) = #call.enter::<#ok_ty>(#attempt.conn()).await {
+                if let ::core::option::Option::Some(#outcome) = #call.enter::<#ok_ty>(&mut #attempt).await {
                     return #outcome;
                 }
                 let #outcome = #run;
-                #call.leave(#attempt.conn(), #outcome).await
+                #call.leave(&mut #attempt, #outcome).await
             })).await;
             if let ::core::ops::ControlFlow::Break(#outcome) = #retry_loop.finish(#attempt, #result).await {
                 break #outcome;

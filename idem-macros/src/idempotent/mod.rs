@@ -50,6 +50,13 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     };
     let shape = retryable::parse::Retryable::from_tokens(retry_args, &func);
     let parsed = parse::Idempotent::from_tokens(args, &func);
+    let (shape, parsed) = match (shape, parsed) {
+        (Ok(shape), Ok(parsed)) => match check_connection(&shape, &parsed) {
+            Ok(()) => (Ok(shape), Ok(parsed)),
+            Err(err) => (Ok(shape), Err(err)),
+        },
+        other => other,
+    };
     match (shape, parsed) {
         (Ok(mut shape), Ok(parsed)) => {
             expand::mark_attribute_uses(&mut shape, &parsed);
@@ -69,6 +76,27 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
             out.extend(func.into_token_stream());
             out
         }
+    }
+}
+
+/// The first parameter fits the mode: the attempt's connection in local
+/// mode, the deferred handle in external mode.
+fn check_connection(
+    shape: &retryable::parse::Retryable,
+    parsed: &parse::Idempotent,
+) -> syn::Result<()> {
+    use retryable::parse::ConnKind;
+    let (kind, span) = (shape.conn_kind.0, &shape.conn_kind.1);
+    match (&parsed.mode, kind) {
+        (parse::ModeArg::External, ConnKind::Connection) => Err(syn::Error::new_spanned(
+            span,
+            "in `mode = external` the body calls another system with no transaction open: take `db: &mut idem::Deferred<'_>` here, and get the connection for the writes that commit with the outcome from `db.conn().await?` after the call",
+        )),
+        (parse::ModeArg::Local, ConnKind::Deferred) => Err(syn::Error::new_spanned(
+            span,
+            "`idem::Deferred` is for `mode = external`; a local #[idempotent] body runs in one transaction with its claim and takes `conn: &mut AsyncPgConnection`",
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -81,6 +81,12 @@ pub(crate) fn return_type(parsed: &Retryable) -> (TokenStream, Span) {
 /// One run of the user's body on `attempt`'s connection, with every
 /// by-value argument cloned afresh: an expression of the declared return type.
 pub(crate) fn attempt_run(parsed: &Retryable, attempt: &syn::Ident) -> TokenStream {
+    attempt_run_with(parsed, quote!(#attempt.conn()))
+}
+
+/// [`attempt_run`], the body's first parameter bound to `conn` (an
+/// expression of the parameter's declared type).
+pub(crate) fn attempt_run_with(parsed: &Retryable, conn_value: TokenStream) -> TokenStream {
     let conn = &parsed.conn_ident;
     let body = &parsed.func.block;
     let (ret, _) = return_type(parsed);
@@ -101,7 +107,7 @@ pub(crate) fn attempt_run(parsed: &Retryable, attempt: &syn::Ident) -> TokenStre
         FnArg::Receiver(_) => quote!(&mut ::idem::__private::diesel_async::AsyncPgConnection),
     };
     quote! {{
-        let #conn: #conn_ty = #attempt.conn();
+        let #conn: #conn_ty = #conn_value;
         #(#replays)*
         ::idem::__private::attempt_body::<#ret, _>(async move #body).await
     }}

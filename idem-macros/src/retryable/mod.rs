@@ -37,6 +37,15 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
         };
     }
     match parse::Retryable::from_tokens(args, &func) {
+        Ok(parsed) if parsed.conn_kind.0 == parse::ConnKind::Deferred => {
+            let mut out = syn::Error::new_spanned(
+                &parsed.conn_kind.1,
+                "`idem::Deferred` is the database side of an external #[idempotent] fn; a #[retryable] body runs in its attempt's transaction and takes `conn: &mut AsyncPgConnection`",
+            )
+            .to_compile_error();
+            out.extend(func.into_token_stream());
+            out
+        }
         Ok(parsed) => expand::retryable(&parsed),
         // Keep the function as written next to the error, so one mistake in the
         // attribute does not turn every caller into an error too.

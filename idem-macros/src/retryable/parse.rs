@@ -40,21 +40,35 @@ pub(crate) struct Retryable {
     /// Index of the connection parameter in `func.sig.inputs`.
     pub(crate) conn_index: usize,
     pub(crate) conn_ident: Ident,
+    /// What the first parameter is, and its type's tokens to point errors at.
+    pub(crate) conn_kind: (ConnKind, proc_macro2::TokenStream),
     pub(crate) replayed: Vec<Replayed>,
 }
 
-fn is_connection(ty: &Type) -> bool {
+/// What the first parameter hands the body: the attempt's connection, or
+/// (external `#[idempotent]` only) the deferred handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ConnKind {
+    Connection,
+    Deferred,
+}
+
+fn connection_kind(ty: &Type) -> Option<ConnKind> {
     match ty {
         Type::Reference(r) if r.mutability.is_some() => match &*r.elem {
-            Type::Path(p) => p
-                .path
-                .segments
-                .last()
-                .is_some_and(|s| s.ident == "AsyncPgConnection"),
-            _ => false,
+            Type::Path(p) => match p.path.segments.last() {
+                Some(s) if s.ident == "AsyncPgConnection" => Some(ConnKind::Connection),
+                Some(s) if s.ident == "Deferred" => Some(ConnKind::Deferred),
+                _ => None,
+            },
+            _ => None,
         },
-        _ => false,
+        _ => None,
     }
+}
+
+fn is_connection(ty: &Type) -> bool {
+    connection_kind(ty).is_some()
 }
 
 fn lit_u64(expr: &Expr) -> Option<u64> {
@@ -203,11 +217,19 @@ impl Retryable {
 
         let (conn_index, conn_ident) =
             conn.unwrap_or_else(|| (0, Ident::new("conn", Span::call_site())));
+        let conn_kind = match sig.inputs.iter().nth(conn_index) {
+            Some(FnArg::Typed(arg)) => (
+                connection_kind(&arg.ty).unwrap_or(ConnKind::Connection),
+                arg.ty.to_token_stream(),
+            ),
+            _ => (ConnKind::Connection, sig.ident.to_token_stream()),
+        };
         errors.finish(Retryable {
             func: func.clone(),
             settings,
             conn_index,
             conn_ident,
+            conn_kind,
             replayed,
         })
     }

@@ -28,7 +28,7 @@ use super::store::{self, Record};
 use super::{Idempotent, IdempotentError};
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::retry::{Isolation, Step};
+use crate::retry::{Attempt, Begin, Isolation, Step};
 use crate::tx::Tx;
 
 /// How often a duplicate that may wait looks at the first request again.
@@ -85,15 +85,32 @@ impl<E> Call<E> {
         &self.request
     }
 
+    /// How the next attempt begins: an external call's body attempt holds
+    /// no transaction (and no connection) until it needs one; every other
+    /// attempt begins at once.
+    pub fn begin(&self) -> Begin {
+        if self.request.external() && self.claimed && self.pending_final.is_none() {
+            Begin::OnFirstUse
+        } else {
+            Begin::Now
+        }
+    }
+
     /// The first step of every attempt. `None`: run the body now.
     pub async fn enter<V: DeserializeOwned>(
         &mut self,
-        conn: &mut AsyncPgConnection,
+        attempt: &mut Attempt,
     ) -> Option<Result<StepOf<V, E>, E>>
     where
         E: IdempotentError,
     {
         let external = self.request.external();
+        if self.claimed && self.pending_final.is_none() {
+            // External phase 2: the body runs with nothing open.
+            self.body_ran = true;
+            return None;
+        }
+        let conn = attempt.conn();
         if let Some((_, stored)) = &self.pending_final {
             // External: the claim is this call's; local: claim it again.
             if !external {
@@ -109,19 +126,19 @@ impl<E> Call<E> {
                     .map(|()| Step::Commit(Reply::FinalStored)),
             );
         }
-        if self.claimed {
-            self.body_ran = true;
-            return None;
-        }
         match self.request.claim(conn).await {
             Ok(Claimed::Owned) if external => {
                 self.claimed = true;
                 Some(Ok(Step::CommitAndContinue))
             }
-            Ok(Claimed::Owned) | Ok(Claimed::Found(Found::Mine)) => {
-                self.claimed = external;
+            Ok(Claimed::Owned) => {
                 self.body_ran = true;
                 None
+            }
+            // External: this call's own claim, whose commit went unanswered.
+            Ok(Claimed::Found(Found::Mine)) => {
+                self.claimed = true;
+                Some(Ok(Step::Again(Duration::ZERO)))
             }
             Ok(Claimed::Found(found)) => Some(self.found(found)),
             Err(e) => Some(Err(db(e))),
@@ -151,7 +168,7 @@ impl<E> Call<E> {
     /// error to the loop.
     pub async fn leave<V: Serialize>(
         &mut self,
-        conn: &mut AsyncPgConnection,
+        attempt: &mut Attempt,
         outcome: Result<V, E>,
     ) -> Result<StepOf<V, E>, E>
     where
@@ -160,6 +177,9 @@ impl<E> Call<E> {
         match outcome {
             Ok(value) => {
                 let response = self.request.response(&value).map_err(E::from)?;
+                // External phase 3: the outcome's transaction, begun now if
+                // the body wrote nothing of its own.
+                let conn = attempt.open().await.map_err(E::from)?;
                 self.record(conn, store::OK, &response).await?;
                 Ok(Step::Commit(Reply::Fresh(value)))
             }

@@ -19,14 +19,16 @@
 //! since the transaction may have committed. An idempotency record (see the
 //! `#[idempotent]` macro) is what tells a later request which it was.
 
+mod attempt;
 mod backoff;
 mod classify;
 mod run;
 
 use std::time::Duration;
 
+pub use attempt::{Attempt, Begin, Deferred};
 pub use classify::{RetryCause, Transient};
-pub use run::{commit, retry, Attempt, RetryLoop, Step};
+pub use run::{commit, retry, RetryLoop, Step};
 
 /// The isolation level each attempt's transaction begins with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -13,12 +13,14 @@ use diesel_async::AsyncPgConnection;
 use scoped_futures::ScopedBoxFuture;
 use tracing::Instrument;
 
+use super::attempt::{Attempt, Begin};
 use super::backoff;
 use super::{OnConflict, RetryCause, RetryPolicy, Transient};
 use crate::attempt::{self, AttemptContext, ConflictSlot, ATTEMPT};
 use crate::error::{Error, FromIdemError};
 use crate::pool::Pool;
 use crate::tx::{CommitFailure, Tx};
+
 use deadpool::managed::PoolError;
 
 /// Run `body` as a retried transaction: the closure form of `#[retryable]`.
@@ -112,20 +114,6 @@ pub struct RetryLoop<'p> {
     span: tracing::Span,
 }
 
-/// One attempt's connection, with its transaction open. Dropping it (the
-/// caller's future was cancelled mid-attempt) closes the transaction: see
-/// the crate's transaction driver.
-pub struct Attempt {
-    tx: Tx,
-}
-
-impl Attempt {
-    /// The connection the attempt's body runs on.
-    pub fn conn(&mut self) -> &mut AsyncPgConnection {
-        self.tx.conn()
-    }
-}
-
 impl<'p> RetryLoop<'p> {
     /// A loop over `pool` with `policy`; `name` identifies the function in
     /// traces and metrics.
@@ -162,6 +150,21 @@ impl<'p> RetryLoop<'p> {
         &self.policy
     }
 
+    /// Start the next attempt as `begin` says: at once ([`RetryLoop::begin`])
+    /// or with its transaction deferred to its first use.
+    pub async fn begin_with(&mut self, begin: Begin) -> Result<Attempt, Error> {
+        match begin {
+            Begin::Now => self.begin().await,
+            Begin::OnFirstUse => {
+                if attempt::inside_attempt() {
+                    return Err(Error::Nested);
+                }
+                self.attempts += 1;
+                Ok(Attempt::deferred(self.pool.clone(), self.policy.isolation))
+            }
+        }
+    }
+
     /// Start the next attempt: a fresh checkout and `BEGIN`. A connection
     /// that cannot be set up or that broke while idle in the pool ran nothing
     /// yet, so another one is tried within the budget.
@@ -193,7 +196,7 @@ impl<'p> RetryLoop<'p> {
                 .instrument(self.span.clone())
                 .await
             {
-                Ok(tx) => return Ok(Attempt { tx }),
+                Ok(tx) => return Ok(Attempt::begun(tx)),
                 // A connection that broke while idle in the pool: nothing ran
                 // yet, so another connection is always safe to try.
                 Err(failure) if failure.0.transient() == Some(RetryCause::ConnectionLost) => {
@@ -242,11 +245,11 @@ impl<'p> RetryLoop<'p> {
         let timeout = self.policy.commit_timeout;
         let cause = match result {
             Ok(Step::Answer(value)) => {
-                attempt.tx.end_in_background(timeout);
+                attempt.end_in_background(timeout);
                 return self.done(Ok(value), "answered");
             }
             Ok(Step::Again(after)) => {
-                attempt.tx.roll_back(timeout).await;
+                attempt.roll_back(timeout).await;
                 drop(attempt);
                 // Not a failure: the attempt is not charged to the budget.
                 self.attempts -= 1;
@@ -256,12 +259,7 @@ impl<'p> RetryLoop<'p> {
                 return ControlFlow::Continue(());
             }
             Ok(Step::CommitAndContinue) => {
-                match attempt
-                    .tx
-                    .commit(timeout)
-                    .instrument(self.span.clone())
-                    .await
-                {
+                match attempt.commit(timeout).instrument(self.span.clone()).await {
                     Ok(()) => {
                         self.attempts -= 1;
                         return ControlFlow::Continue(());
@@ -274,12 +272,7 @@ impl<'p> RetryLoop<'p> {
                 }
             }
             Ok(Step::Commit(value)) => {
-                match attempt
-                    .tx
-                    .commit(timeout)
-                    .instrument(self.span.clone())
-                    .await
-                {
+                match attempt.commit(timeout).instrument(self.span.clone()).await {
                     Ok(()) => return self.done(Ok(value), "committed"),
                     Err(CommitFailure::Failed(err))
                         if err.transient().is_some_and(|c| self.policy.replays(c)) =>
@@ -293,9 +286,8 @@ impl<'p> RetryLoop<'p> {
                 // What failed on the attempt decides, not the error the body
                 // chose to return: a dead transaction is replayed whatever
                 // the body made of its error.
-                let observed = attempt.tx.failure_cause().or_else(|| self.conflict.take());
+                let observed = attempt.failure_cause().or_else(|| self.conflict.take());
                 attempt
-                    .tx
                     .roll_back(timeout)
                     .instrument(self.span.clone())
                     .await;

@@ -1,0 +1,162 @@
+//! One attempt's transaction, begun at once or on first use.
+//!
+//! Most attempts begin their transaction before the body runs. An external
+//! idempotent call's body attempt does not: its outside call runs with no
+//! transaction open and no pooled connection held (seed 000: never hold a
+//! transaction across a call to another system), and the transaction that
+//! records the outcome, with the body's own local writes, begins when the
+//! body first asks for a connection through [`Deferred::conn`].
+
+use std::time::Duration;
+
+use diesel_async::AsyncPgConnection;
+
+use super::{Isolation, RetryCause, Transient};
+use crate::error::Error;
+use crate::pool::Pool;
+use crate::tx::{CommitFailure, Tx};
+
+/// How an attempt begins its transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Begin {
+    /// Check out a connection and `BEGIN` before the body runs.
+    Now,
+    /// Only when the body (or the step after it) first needs the database.
+    OnFirstUse,
+}
+
+/// One attempt's connection and transaction. Dropping it while its
+/// transaction is open (the caller's future was cancelled mid-attempt)
+/// cancels the running statement and closes the connection.
+pub struct Attempt {
+    tx: Option<Tx>,
+    /// `Begin::OnFirstUse`: where and how to begin.
+    lazy: Option<(Pool, Isolation)>,
+    /// A lost connection met while beginning on first use: nothing of the
+    /// transaction ran, so the attempt is worth replaying.
+    lost_at_begin: bool,
+}
+
+impl Attempt {
+    pub(crate) fn begun(tx: Tx) -> Attempt {
+        Attempt {
+            tx: Some(tx),
+            lazy: None,
+            lost_at_begin: false,
+        }
+    }
+
+    pub(crate) fn deferred(pool: Pool, isolation: Isolation) -> Attempt {
+        Attempt {
+            tx: None,
+            lazy: Some((pool, isolation)),
+            lost_at_begin: false,
+        }
+    }
+
+    /// The connection the attempt's body runs on.
+    ///
+    /// # Panics
+    /// On an attempt begun on first use whose transaction is not open yet:
+    /// use [`Attempt::open`] there.
+    pub fn conn(&mut self) -> &mut AsyncPgConnection {
+        self.tx
+            .as_mut()
+            .expect("this attempt's transaction begins on first use: call open()")
+            .conn()
+    }
+
+    /// The attempt's connection, beginning its transaction first when it
+    /// was deferred.
+    pub async fn open(&mut self) -> Result<&mut AsyncPgConnection, Error> {
+        if self.tx.is_none() {
+            let (pool, isolation) = self
+                .lazy
+                .clone()
+                .expect("an attempt without a transaction begins on first use");
+            let conn = pool.get().await.inspect_err(|e| {
+                if matches!(e, deadpool::managed::PoolError::Backend(_)) {
+                    self.lost_at_begin = true;
+                }
+            })?;
+            match Tx::begin(conn, isolation).await {
+                Ok(tx) => self.tx = Some(tx),
+                Err(failure) => {
+                    if failure.0.transient() == Some(RetryCause::ConnectionLost) {
+                        self.lost_at_begin = true;
+                    }
+                    return Err(Error::Begin(failure.0));
+                }
+            }
+        }
+        Ok(self.conn())
+    }
+
+    /// Why the attempt failed in a way worth replaying, as seen on its
+    /// connection.
+    pub(crate) fn failure_cause(&self) -> Option<RetryCause> {
+        match &self.tx {
+            Some(tx) => tx.failure_cause(),
+            None => self.lost_at_begin.then_some(RetryCause::ConnectionLost),
+        }
+    }
+
+    pub(crate) async fn commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
+        match self.tx.as_mut() {
+            Some(tx) => tx.commit(timeout).await,
+            // Nothing began, nothing to commit.
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) async fn roll_back(&mut self, timeout: Duration) {
+        if let Some(tx) = self.tx.as_mut() {
+            tx.roll_back(timeout).await;
+        }
+    }
+
+    pub(crate) fn end_in_background(self, timeout: Duration) {
+        if let Some(tx) = self.tx {
+            tx.end_in_background(timeout);
+        }
+    }
+}
+
+/// The database side of an external idempotent call's body: nothing is
+/// checked out while the body calls the other system; [`Deferred::conn`]
+/// begins the transaction that records the call's outcome, and the body's
+/// local writes made through it commit with that record.
+///
+/// An external body takes it in place of the connection:
+///
+/// ```ignore
+/// #[idempotent(key = cmd.key, mode = external)]
+/// async fn refund(db: &mut idem::Deferred<'_>, cmd: &RefundCmd) -> Result<Refund, AppError> {
+///     let receipt = psp.refund(&cmd.order, &current_key().unwrap()).await?; // no transaction open
+///     let conn = db.conn().await?;                                          // now one begins
+///     record_refund(conn, &receipt).await?;
+///     Ok(Refund { receipt })
+/// }
+/// ```
+pub struct Deferred<'a> {
+    attempt: &'a mut Attempt,
+}
+
+impl<'a> Deferred<'a> {
+    #[doc(hidden)]
+    pub fn new(attempt: &'a mut Attempt) -> Self {
+        Deferred { attempt }
+    }
+
+    /// The connection of the transaction that records this call's outcome,
+    /// checked out and begun on first use. Anything the body sends to
+    /// another system after this runs with that transaction open.
+    pub async fn conn(&mut self) -> Result<&mut AsyncPgConnection, Error> {
+        self.attempt.open().await
+    }
+
+    /// Whether the transaction has begun.
+    pub fn is_open(&self) -> bool {
+        self.attempt.tx.is_some()
+    }
+}
