@@ -137,9 +137,14 @@ impl Tx {
     /// Roll back, or discard the connection when that fails or goes
     /// unanswered: either way the transaction is gone. A failing rollback is
     /// logged, never returned, so it cannot hide the error that caused it.
-    pub(crate) async fn roll_back(&mut self, timeout: Duration) {
+    ///
+    /// Returns true when the connection turned out to be lost: the
+    /// transaction died with it. (diesel-async may report a lost connection
+    /// to the statement that met it without finishing that statement's
+    /// instrumentation event, so the watch alone cannot always tell.)
+    pub(crate) async fn roll_back(&mut self, timeout: Duration) -> bool {
         if !self.open {
-            return;
+            return false;
         }
         let rolled_back = tokio::time::timeout(
             timeout,
@@ -147,14 +152,19 @@ impl Tx {
         )
         .await;
         match rolled_back {
-            Ok(Ok(())) => self.open = false,
+            Ok(Ok(())) => {
+                self.open = false;
+                false
+            }
             Ok(Err(err)) => {
                 tracing::warn!(error = %err, "ROLLBACK failed; discarding the connection");
                 self.discard();
+                err.transient() == Some(RetryCause::ConnectionLost)
             }
             Err(_elapsed) => {
                 tracing::warn!("ROLLBACK got no answer; discarding the connection");
                 self.cancel_and_discard();
+                true
             }
         }
     }
@@ -165,7 +175,9 @@ impl Tx {
     pub(crate) fn end_in_background(mut self, timeout: Duration) {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(async move { self.roll_back(timeout).await });
+                runtime.spawn(async move {
+                    self.roll_back(timeout).await;
+                });
             }
             Err(_) => self.discard(),
         }

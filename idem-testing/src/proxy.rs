@@ -20,7 +20,7 @@
 //! # let _ = url; Ok(()) }
 //! ```
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,12 +42,17 @@ pub enum Fault {
     CutAfter,
     /// Forward the chunk, and hold the server's next answer this long.
     HoldAnswer(Duration),
+    /// Hold the chunk this long before it reaches the server (a `COMMIT`
+    /// held here keeps its transaction, and its row locks, open meanwhile).
+    HoldRequest(Duration),
 }
 
 #[derive(Debug)]
 struct Rule {
     pattern: Vec<u8>,
     fault: Fault,
+    /// Matches to let pass before the rule fires.
+    skip: usize,
 }
 
 #[derive(Default)]
@@ -96,9 +101,16 @@ impl Proxy {
 
     /// Fire `fault` once, on the first connection whose client sends `pattern`.
     pub fn arm(&self, pattern: &str, fault: Fault) {
+        self.arm_nth(pattern, 1, fault);
+    }
+
+    /// Fire `fault` once, at the `n`-th chunk (1-based) any client sends
+    /// that contains `pattern`.
+    pub fn arm_nth(&self, pattern: &str, n: usize, fault: Fault) {
         self.shared.rules.lock().unwrap().push(Rule {
             pattern: pattern.as_bytes().to_vec(),
             fault,
+            skip: n.saturating_sub(1),
         });
     }
 
@@ -164,12 +176,16 @@ async fn relay(
     shared: Arc<Shared>,
     mut generation: watch::Receiver<u64>,
 ) {
+    // Only a cut from now on ends this connection.
+    generation.borrow_and_update();
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
     // How long to hold the server's next answer, set by the client pump.
     let hold = Mutex::new(None::<Duration>);
+    // Set before a statement is forwarded whose answer must never arrive.
+    let cut = AtomicBool::new(false);
     let upstream = async {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -177,18 +193,28 @@ async fn relay(
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            if std::env::var_os("IDEM_PROXY_TRACE").is_some() {
+                eprintln!(
+                    "proxy: client sent {:?}",
+                    String::from_utf8_lossy(&buf[..n])
+                );
+            }
             let fault = take_rule(&shared, &buf[..n]);
-            if fault == Some(Fault::CutBefore) {
-                return;
+            match fault {
+                Some(Fault::CutBefore) => return,
+                Some(Fault::HoldRequest(d)) => tokio::time::sleep(d).await,
+                Some(Fault::CutAfter) => cut.store(true, Ordering::SeqCst),
+                _ => {}
             }
             if server_tx.write_all(&buf[..n]).await.is_err() {
                 return;
             }
             match fault {
                 Some(Fault::CutAfter) => {
-                    // Let the bytes leave before the sockets close.
+                    // The server reads the statement, then the end of the
+                    // stream (never a reset): it runs it to the end.
                     let _ = server_tx.flush().await;
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let _ = server_tx.shutdown().await;
                     return;
                 }
                 Some(Fault::HoldAnswer(d)) => {
@@ -205,6 +231,9 @@ async fn relay(
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            if cut.load(Ordering::SeqCst) {
+                continue;
+            }
             let held = hold.lock().unwrap().take();
             if let Some(d) = held {
                 tokio::time::sleep(d).await;
@@ -214,19 +243,35 @@ async fn relay(
             }
         }
     };
+    tokio::pin!(downstream);
     tokio::select! {
         () = upstream => {}
-        () = downstream => {}
-        _ = generation.changed() => {}
+        () = &mut downstream => return,
+        _ = generation.changed() => return,
+    }
+    if cut.load(Ordering::SeqCst) {
+        // The client's side closes now; the server's answers are read and
+        // dropped until it closes its side, so it never meets a reset.
+        let _ = tokio::time::timeout(Duration::from_secs(10), downstream).await;
     }
 }
 
-/// The fault of the first armed rule whose pattern `chunk` contains, removed.
+/// The fault of the first armed rule whose pattern `chunk` contains and
+/// whose matches to skip are used up, removed.
 fn take_rule(shared: &Shared, chunk: &[u8]) -> Option<Fault> {
     let mut rules = shared.rules.lock().unwrap();
-    let index = rules
-        .iter()
-        .position(|rule| chunk.windows(rule.pattern.len()).any(|w| w == rule.pattern))?;
+    let mut fire = None;
+    for (index, rule) in rules.iter_mut().enumerate() {
+        if !chunk.windows(rule.pattern.len()).any(|w| w == rule.pattern) {
+            continue;
+        }
+        if rule.skip == 0 {
+            fire = Some(index);
+            break;
+        }
+        rule.skip -= 1;
+    }
+    let index = fire?;
     shared.fired.fetch_add(1, Ordering::SeqCst);
     Some(rules.remove(index).fault)
 }

@@ -109,9 +109,11 @@ impl Attempt {
         }
     }
 
-    pub(crate) async fn roll_back(&mut self, timeout: Duration) {
-        if let Some(tx) = self.tx.as_mut() {
-            tx.roll_back(timeout).await;
+    /// Roll back; true when the connection turned out to be lost.
+    pub(crate) async fn roll_back(&mut self, timeout: Duration) -> bool {
+        match self.tx.as_mut() {
+            Some(tx) => tx.roll_back(timeout).await,
+            None => false,
         }
     }
 

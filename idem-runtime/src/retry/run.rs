@@ -172,6 +172,7 @@ impl<'p> RetryLoop<'p> {
         if attempt::inside_attempt() {
             return Err(Error::Nested);
         }
+        let mut stale = 0;
         loop {
             self.attempts += 1;
             let conn = match self.pool.get().instrument(self.span.clone()).await {
@@ -198,7 +199,19 @@ impl<'p> RetryLoop<'p> {
             {
                 Ok(tx) => return Ok(Attempt::begun(tx)),
                 // A connection that broke while idle in the pool: nothing ran
-                // yet, so another connection is always safe to try.
+                // yet, so another connection is always safe to try. A pool
+                // whose connections all went stale at once (a restarted
+                // server, a proxy that dropped them) is worked through at
+                // once, without spending the budget: one free try per
+                // connection the pool may hold.
+                Err(failure)
+                    if failure.0.transient() == Some(RetryCause::ConnectionLost)
+                        && stale < self.pool.status().max_size =>
+                {
+                    stale += 1;
+                    self.attempts -= 1;
+                    tracing::debug!(parent: &self.span, error = %failure.0, "a pooled connection was stale; trying another");
+                }
                 Err(failure) if failure.0.transient() == Some(RetryCause::ConnectionLost) => {
                     if let ControlFlow::Break(exhausted) =
                         self.back_off(RetryCause::ConnectionLost).await
@@ -287,10 +300,11 @@ impl<'p> RetryLoop<'p> {
                 // chose to return: a dead transaction is replayed whatever
                 // the body made of its error.
                 let observed = attempt.failure_cause().or_else(|| self.conflict.take());
-                attempt
+                let lost = attempt
                     .roll_back(timeout)
                     .instrument(self.span.clone())
                     .await;
+                let observed = observed.or(lost.then_some(RetryCause::ConnectionLost));
                 match observed {
                     Some(cause) if self.policy.replays(cause) => cause,
                     _ => return self.done(Err(err), "failed"),
