@@ -16,21 +16,24 @@
 //! * [`IdempotentResponse`]: a response that carries
 //!   `Idempotent-Replayed: true` when it is a replay.
 //! * [`WithETag`]: a response with the strong `ETag` of a row version
-//!   ([`crate::etag`]).
+//!   ([`etag`]).
 //!
 //! # idem's outcomes as HTTP statuses
+//!
+//! One table decides them: [`HttpStatus`], which [`Problem`] reads.
 //!
 //! | outcome | status | `type` |
 //! |---|---|---|
 //! | replay of a stored response | the first status and body, plus `Idempotent-Replayed: true` | |
 //! | `Idempotency-Key` missing where required | 400 | [`problem_type::IDEMPOTENCY_KEY_MISSING`] |
 //! | `Idempotency-Key` malformed or invalid | 400 | [`problem_type::IDEMPOTENCY_KEY_INVALID`] |
-//! | [`IdempotencyError::FingerprintMismatch`] | 422 | [`problem_type::FINGERPRINT_MISMATCH`] |
-//! | [`IdempotencyError::InProgress`] | 409, `Retry-After: 1` | [`problem_type::IN_PROGRESS`] |
-//! | [`IdempotencyError::OutcomeUnknown`] (external mode) | 502 | [`problem_type::OUTCOME_UNKNOWN`] |
-//! | [`RetryError::Exhausted`] | 409 | [`problem_type::RETRIES_EXHAUSTED`] |
-//! | [`RetryError::CommitUnknown`] | 503, `Retry-After: 1` | [`problem_type::COMMIT_OUTCOME_UNKNOWN`] |
-//! | [`RetryError::Pool`] | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |
+//! | [`Error::FingerprintMismatch`] | 422 | [`problem_type::FINGERPRINT_MISMATCH`] |
+//! | [`Error::InProgress`] | 409, `Retry-After: 1` | [`problem_type::IN_PROGRESS`] |
+//! | [`Error::OutcomeUnknown`] (external mode) | 502 | [`problem_type::OUTCOME_UNKNOWN`] |
+//! | [`Error::ClaimLost`] (external mode) | 409 | [`problem_type::IN_PROGRESS`] |
+//! | [`Error::Exhausted`] | 409 | [`problem_type::RETRIES_EXHAUSTED`] |
+//! | [`Error::CommitUnknown`] (wherever the commit was) | 503, `Retry-After: 1` | [`problem_type::COMMIT_OUTCOME_UNKNOWN`] |
+//! | [`Error::Pool`] | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |
 //! | `If-Match` missing where required | 428 | [`problem_type::PRECONDITION_REQUIRED`] |
 //! | `If-Match` malformed or ambiguous ([`EtagError`] 400) | 400 | [`problem_type::IF_MATCH_INVALID`] |
 //! | `If-Match` can never match ([`EtagError`] 412), [`VersionedError::Stale`] | 412 | [`problem_type::PRECONDITION_FAILED`] |
@@ -76,10 +79,12 @@
 //! let app: Router = Router::new().route("/things", post(handler));
 //! ```
 
+pub mod etag;
 mod key;
 mod precondition;
 mod problem;
 mod response;
+mod status;
 
 use axum::http::HeaderName;
 
@@ -87,9 +92,12 @@ pub use key::IdempotencyKey;
 pub use precondition::{IfMatch, WithETag};
 pub use problem::{problem_type, Problem};
 pub use response::{IdempotentResponse, StoredResponse};
+pub use status::HttpStatus;
 
 #[cfg(doc)]
-use crate::{etag::EtagError, IdempotencyError, IdempotentError, RetryError, VersionedError};
+use crate::{Error, IdempotentError, VersionedError};
+#[cfg(doc)]
+use etag::EtagError;
 
 /// `Idempotency-Key`, the request header that names a request across retries
 /// (IETF httpapi draft `draft-ietf-httpapi-idempotency-key-header`).

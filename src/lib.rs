@@ -1,8 +1,60 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+// The public surface, item by item: every item has one name, and the
+// runtime's step types (the retry loop, an attempt, an idempotent call),
+// which only generated code drives, are reachable only through
+// `__private`.
+
 pub use idem_macros::{idempotent, retryable, Versioned, VersionedChanges};
-pub use idem_runtime::*;
+
+// `migrate` names both the function and its module (`idem::migrate::migrations()`).
+pub use idem_runtime::{final_errors, migrate, Error};
+pub use idem_runtime::{
+    Deferred, IdempotencyConfig, Idempotent, IdempotentError, Isolation, Mode, NoFinalErrors,
+    OnConflict, Pool, RetryCause, RetryPolicy, Transient,
+};
+pub use idem_runtime::{NoState, Versioned, VersionedChanges, VersionedError};
+
+/// Deprecated: retry and idempotency failures are one type, [`Error`].
+#[deprecated(since = "0.2.0", note = "use `idem::Error`")]
+pub type RetryError = Error;
+/// Deprecated: retry and idempotency failures are one type, [`Error`].
+#[deprecated(since = "0.2.0", note = "use `idem::Error`")]
+pub type IdempotencyError = Error;
+
+/// Building the connection pool every call checks its attempts out of.
+pub mod pool {
+    pub use idem_runtime::pool::{build_pool, build_pool_with, PoolConfig, PooledConnection};
+}
+
+/// Replaying a transaction that lost a race; see `#[retryable]`.
+pub mod retry {
+    pub use idem_runtime::retry::retry;
+}
+
+/// What the code inside one attempt may ask of the retry loop.
+pub mod attempt {
+    pub use idem_runtime::attempt::{current_attempt, lost_race};
+}
+
+/// Idempotency records outside a request: the key a body runs under, the
+/// operator's settle and purge, the key and fingerprint rules.
+pub mod idempotency {
+    pub use idem_runtime::idempotency::{
+        current_key, derived_key, fingerprint, purge_expired, settle, validate_key, Field,
+        PurgeReport, Settlement, OUTCOME_UNKNOWN_MESSAGE,
+    };
+}
+
+/// Versioned writes beyond the derive: the database-side version guard.
+pub mod versioned {
+    pub use idem_runtime::versioned::backstop;
+}
 
 #[cfg(feature = "axum")]
 pub mod http;
+
+/// What generated code reaches; not a public API.
+#[doc(hidden)]
+pub use idem_runtime::__private;

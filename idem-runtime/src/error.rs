@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use crate::retry::RetryCause;
 
-/// idem's own failures, each with the HTTP status a handler usually answers.
+/// idem's own failures. `idem::http` (feature `axum`) answers each with
+/// the status its one table gives it.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -129,11 +130,8 @@ pub enum Error {
 }
 
 impl Error {
-    /// The HTTP status a handler usually answers with: 400 for a bad key,
-    /// 409 for a conflict that a later retry may win, 422 for a key reused
-    /// for another request, 502 when an outside system may have acted, 503
-    /// when the database is busy, unreachable, or the commit's outcome is
-    /// unknown (retry with the same key), 500 otherwise.
+    /// Kept until the tests move to `idem::http::HttpStatus` (the one table).
+    #[doc(hidden)]
     pub fn http_status(&self) -> u16 {
         match self {
             Error::InvalidKey { .. } | Error::MissingKey => 400,

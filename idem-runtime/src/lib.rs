@@ -4,7 +4,6 @@
 
 pub mod attempt;
 mod error;
-pub mod etag;
 pub mod idempotency;
 pub mod migrate;
 pub mod pool;

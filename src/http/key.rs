@@ -5,7 +5,7 @@ use axum::http::request::Parts;
 use axum::http::HeaderMap;
 
 use super::{Problem, IDEMPOTENCY_KEY};
-use crate::idempotency::{validate_key, KeyInput};
+use idem_runtime::idempotency::{validate_key, KeyInput};
 
 /// The `Idempotency-Key` request header, as an axum extractor.
 ///

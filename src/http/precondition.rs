@@ -4,8 +4,8 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 
+use super::etag::{self, etag_for_version};
 use super::Problem;
-use crate::etag::{self, etag_for_version};
 
 /// The `If-Match` request header as the row version a write must find, as an
 /// axum extractor.
@@ -84,7 +84,7 @@ impl IfMatch {
     /// let mut headers = HeaderMap::new();
     /// headers.insert(IF_MATCH, "*".parse().unwrap());
     /// let if_match = idem::http::IfMatch::from_headers(&headers).unwrap().unwrap();
-    /// assert_eq!(if_match.precondition(), &idem::etag::IfMatch::Any);
+    /// assert_eq!(if_match.precondition(), &idem::http::etag::IfMatch::Any);
     /// ```
     pub fn precondition(&self) -> &etag::IfMatch {
         &self.precondition
@@ -147,7 +147,7 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IfMatch {
 }
 
 /// A response with the strong `ETag` of a row version (`"v<version>"`, see
-/// [`crate::etag`]), for the client to send back in `If-Match`.
+/// [`super::etag`]), for the client to send back in `If-Match`.
 ///
 /// ```
 /// use axum::{response::IntoResponse, Json};

@@ -4,7 +4,8 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::etag::{etag_for_version, EtagError};
+use super::etag::{etag_for_version, EtagError};
+use super::HttpStatus;
 use crate::idempotency::OUTCOME_UNKNOWN_MESSAGE;
 use crate::{Error, VersionedError};
 
@@ -296,6 +297,11 @@ impl IntoResponse for Problem {
 }
 
 /// idem's own failures: the one table that decides each status.
+/// The status the one table ([`HttpStatus`]) gives `e`.
+fn status_of(e: &impl HttpStatus) -> StatusCode {
+    StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
 impl From<&Error> for Problem {
     fn from(e: &Error) -> Problem {
         match e {
@@ -304,14 +310,14 @@ impl From<&Error> for Problem {
                 Problem::key_invalid(format_args!("the Idempotency-Key is invalid: {reason}"))
             }
             Error::FingerprintMismatch => Problem::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
+                status_of(e),
                 problem_type::FINGERPRINT_MISMATCH,
                 "Idempotency-Key reused for a different request",
                 "this Idempotency-Key was already used for a request with a different body or \
                  target; nothing was done. Use a new key for a new request",
             ),
             Error::InProgress => Problem::new(
-                StatusCode::CONFLICT,
+                status_of(e),
                 problem_type::IN_PROGRESS,
                 "Request in progress",
                 "the first request with this Idempotency-Key is still being processed; retry \
@@ -319,14 +325,14 @@ impl From<&Error> for Problem {
             )
             .retry_after(1),
             Error::ClaimLost => Problem::new(
-                StatusCode::CONFLICT,
+                status_of(e),
                 problem_type::IN_PROGRESS,
                 "Idempotency claim lost",
                 "the claim of this Idempotency-Key was settled or taken over while the request \
                  ran; nothing was committed",
             ),
             Error::OutcomeUnknown => Problem::new(
-                StatusCode::BAD_GATEWAY,
+                status_of(e),
                 problem_type::OUTCOME_UNKNOWN,
                 "Outcome unknown",
                 format!(
@@ -337,7 +343,7 @@ impl From<&Error> for Problem {
             Error::Exhausted {
                 attempts, elapsed, ..
             } => Problem::new(
-                StatusCode::CONFLICT,
+                status_of(e),
                 problem_type::RETRIES_EXHAUSTED,
                 "Too much contention",
                 format!(
@@ -348,7 +354,7 @@ impl From<&Error> for Problem {
             )
             .with("attempts", *attempts),
             Error::CommitUnknown { .. } => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
+                status_of(e),
                 problem_type::COMMIT_OUTCOME_UNKNOWN,
                 "Commit outcome unknown",
                 "the connection to the database failed while the request was being committed, so \
@@ -357,7 +363,7 @@ impl From<&Error> for Problem {
             )
             .retry_after(1),
             Error::Pool(_) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
+                status_of(e),
                 problem_type::UNAVAILABLE,
                 "Service busy",
                 "no database connection could be had in time; nothing was done, retry later",
@@ -372,7 +378,7 @@ impl From<&VersionedError> for Problem {
     fn from(e: &VersionedError) -> Problem {
         match e {
             VersionedError::Stale { expected, actual } => Problem::new(
-                StatusCode::PRECONDITION_FAILED,
+                status_of(e),
                 problem_type::PRECONDITION_FAILED,
                 "Precondition failed",
                 format!(
@@ -382,13 +388,13 @@ impl From<&VersionedError> for Problem {
             )
             .with("current_etag", etag_for_version(*actual)),
             VersionedError::NotFound => Problem::new(
-                StatusCode::NOT_FOUND,
+                status_of(e),
                 problem_type::NOT_FOUND,
                 "Not found",
                 "no such resource",
             ),
             VersionedError::StateMismatch { expected, actual } => Problem::new(
-                StatusCode::CONFLICT,
+                status_of(e),
                 problem_type::STATE_CONFLICT,
                 "State conflict",
                 format!(
@@ -404,14 +410,14 @@ impl From<&EtagError> for Problem {
     fn from(e: &EtagError) -> Problem {
         if e.http_status() == 412 {
             Problem::new(
-                StatusCode::PRECONDITION_FAILED,
+                status_of(e),
                 problem_type::PRECONDITION_FAILED,
                 "Precondition failed",
                 e.to_string(),
             )
         } else {
             Problem::new(
-                StatusCode::BAD_REQUEST,
+                status_of(e),
                 problem_type::IF_MATCH_INVALID,
                 "Invalid If-Match",
                 e.to_string(),

@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem::http::{problem_type, IdempotencyKey, IdempotentResponse, IfMatch, Problem, WithETag};
-use idem::pool::Pool;
+use idem::Pool;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 

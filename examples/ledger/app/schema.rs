@@ -161,7 +161,7 @@ pub async fn setup(conn: &mut AsyncPgConnection, reset: bool) -> QueryResult<()>
         conn.batch_execute(RESET).await?;
     }
     conn.batch_execute(SCHEMA).await?;
-    idem::install_version_guard::<Account>(conn).await
+    idem::versioned::backstop::install_version_guard::<Account>(conn).await
 }
 
 /// An account. Every write of it is a compare-and-set on `version` within

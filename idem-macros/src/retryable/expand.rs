@@ -5,54 +5,50 @@ use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{FnArg, ReturnType};
 
-use super::parse::{Retryable, SettingValue};
+use super::parse::{IsolationArg, OnConflictArg, Retryable};
 
 pub(crate) fn policy(parsed: &Retryable) -> TokenStream {
-    let mut policy = quote!(::idem::RetryPolicy::new());
-    if let Some(base) = parsed.settings.iter().find_map(|s| match &s.value {
-        SettingValue::Policy(expr) => Some(expr),
-        _ => None,
-    }) {
-        policy = quote!({ let __idem_policy: ::idem::RetryPolicy = #base; __idem_policy });
+    let s = &parsed.settings;
+    let mut policy = match &s.policy {
+        Some(base) => quote!({ let __idem_policy: ::idem::RetryPolicy = #base; __idem_policy }),
+        None => quote!(::idem::RetryPolicy::new()),
+    };
+    let millis = |ms: u64| quote!(::core::time::Duration::from_millis(#ms));
+    if let Some(n) = s.max {
+        policy = quote!(#policy.max_attempts(#n));
     }
-    for setting in &parsed.settings {
-        let setter = match (setting.key.to_string().as_str(), &setting.value) {
-            ("max", SettingValue::Count(n)) => quote!(.max_attempts(#n)),
-            ("deadline_ms", SettingValue::Millis(ms)) => {
-                quote!(.deadline(::core::time::Duration::from_millis(#ms)))
-            }
-            ("backoff_base_ms", SettingValue::Millis(ms)) => {
-                quote!(.backoff_base(::core::time::Duration::from_millis(#ms)))
-            }
-            ("backoff_cap_ms", SettingValue::Millis(ms)) => {
-                quote!(.backoff_cap(::core::time::Duration::from_millis(#ms)))
-            }
-            ("hot_row_memory_ms", SettingValue::Millis(ms)) => {
-                quote!(.hot_row_memory(::core::time::Duration::from_millis(#ms)))
-            }
-            ("commit_timeout_ms", SettingValue::Millis(ms)) => {
-                quote!(.commit_timeout(::core::time::Duration::from_millis(#ms)))
-            }
-            (_, SettingValue::Isolation(level)) => {
-                let variant = match level.to_string().as_str() {
-                    "serializable" => quote!(Serializable),
-                    "repeatable_read" => quote!(RepeatableRead),
-                    _ => quote!(ReadCommitted),
-                };
-                quote!(.isolation(::idem::Isolation::#variant))
-            }
-            (_, SettingValue::OnConflict(mode)) => {
-                let variant = if mode == "lock" {
-                    quote!(Lock)
-                } else {
-                    quote!(Retry)
-                };
-                quote!(.on_conflict(::idem::OnConflict::#variant))
-            }
-            (_, SettingValue::Flag(flag)) => quote!(.retry_lock_not_available(#flag)),
-            _ => continue,
+    if let Some(ms) = s.deadline_ms.map(millis) {
+        policy = quote!(#policy.deadline(#ms));
+    }
+    if let Some(ms) = s.backoff_base_ms.map(millis) {
+        policy = quote!(#policy.backoff_base(#ms));
+    }
+    if let Some(ms) = s.backoff_cap_ms.map(millis) {
+        policy = quote!(#policy.backoff_cap(#ms));
+    }
+    if let Some(ms) = s.hot_row_memory_ms.map(millis) {
+        policy = quote!(#policy.hot_row_memory(#ms));
+    }
+    if let Some(ms) = s.commit_timeout_ms.map(millis) {
+        policy = quote!(#policy.commit_timeout(#ms));
+    }
+    if let Some(level) = s.isolation {
+        let variant = match level {
+            IsolationArg::ReadCommitted => quote!(ReadCommitted),
+            IsolationArg::RepeatableRead => quote!(RepeatableRead),
+            IsolationArg::Serializable => quote!(Serializable),
         };
-        policy = quote!(#policy #setter);
+        policy = quote!(#policy.isolation(::idem::Isolation::#variant));
+    }
+    if let Some(mode) = s.on_conflict {
+        let variant = match mode {
+            OnConflictArg::Retry => quote!(Retry),
+            OnConflictArg::Lock => quote!(Lock),
+        };
+        policy = quote!(#policy.on_conflict(::idem::OnConflict::#variant));
+    }
+    if let Some(flag) = s.retry_lock_not_available {
+        policy = quote!(#policy.retry_lock_not_available(#flag));
     }
     policy
 }

@@ -11,19 +11,36 @@ use crate::errors::Errors;
 
 const KEYS: &str = "`max`, `deadline_ms`, `backoff_base_ms`, `backoff_cap_ms`, `isolation`, `on_conflict`, `retry_lock_not_available`, `commit_timeout_ms`, `hot_row_memory_ms` and `policy`";
 
-/// A setting given in the attribute, with the token it came from.
-pub(crate) struct Setting {
-    pub(crate) key: Ident,
-    pub(crate) value: SettingValue,
+/// The isolation level a `#[retryable(isolation = ..)]` names.
+#[derive(Clone, Copy)]
+pub(crate) enum IsolationArg {
+    ReadCommitted,
+    RepeatableRead,
+    Serializable,
 }
 
-pub(crate) enum SettingValue {
-    Count(u32),
-    Millis(u64),
-    Isolation(Ident),
-    OnConflict(Ident),
-    Flag(bool),
-    Policy(Expr),
+/// What `#[retryable(on_conflict = ..)]` names.
+#[derive(Clone, Copy)]
+pub(crate) enum OnConflictArg {
+    Retry,
+    Lock,
+}
+
+/// The attribute's settings, typed: each given at most once, each value
+/// already checked. Expansion reads fields, never key strings.
+#[derive(Default)]
+pub(crate) struct Settings {
+    /// `policy = <expr>`: the base the other keys apply on top of.
+    pub(crate) policy: Option<Expr>,
+    pub(crate) max: Option<u32>,
+    pub(crate) deadline_ms: Option<u64>,
+    pub(crate) backoff_base_ms: Option<u64>,
+    pub(crate) backoff_cap_ms: Option<u64>,
+    pub(crate) commit_timeout_ms: Option<u64>,
+    pub(crate) hot_row_memory_ms: Option<u64>,
+    pub(crate) isolation: Option<IsolationArg>,
+    pub(crate) on_conflict: Option<OnConflictArg>,
+    pub(crate) retry_lock_not_available: Option<bool>,
 }
 
 /// A parameter handed to every attempt again.
@@ -36,7 +53,7 @@ pub(crate) struct Replayed {
 
 pub(crate) struct Retryable {
     pub(crate) func: ItemFn,
-    pub(crate) settings: Vec<Setting>,
+    pub(crate) settings: Settings,
     /// Index of the connection parameter in `func.sig.inputs`.
     pub(crate) conn_index: usize,
     pub(crate) conn_ident: Ident,
@@ -83,7 +100,7 @@ fn lit_u64(expr: &Expr) -> Option<u64> {
 impl Retryable {
     pub(crate) fn from_tokens(args: TokenStream, func: &ItemFn) -> syn::Result<Retryable> {
         let mut errors = Errors::default();
-        let mut settings: Vec<Setting> = Vec::new();
+        let mut settings = Settings::default();
         // Every key given so far, with its value as written.
         let mut given: Vec<(Ident, String)> = Vec::new();
         let parser = syn::meta::parser(|meta| {
@@ -100,44 +117,64 @@ impl Retryable {
             }
             given.push((key.clone(), value.to_token_stream().to_string()));
             let name = key.to_string();
-            let parsed = match name.as_str() {
+            let ident = match &value {
+                Expr::Path(p) => p.path.get_ident().map(ToString::to_string),
+                _ => None,
+            };
+            let millis = || match lit_u64(&value) {
+                Some(0) if name == "deadline_ms" || name == "commit_timeout_ms" => Err(
+                    "a zero budget would fail every call; give a number of milliseconds above 0",
+                ),
+                Some(ms) => Ok(ms),
+                None => {
+                    Err("this key takes a whole number of milliseconds, e.g. `deadline_ms = 800`")
+                }
+            };
+            let checked: Result<(), &str> = match name.as_str() {
                 "max" => match lit_u64(&value) {
                     Some(0) => Err("`max = 0` would never run the body; the first attempt counts, so use at least 1"),
-                    Some(n) if n <= u32::MAX as u64 => Ok(SettingValue::Count(n as u32)),
+                    Some(n) if n <= u32::MAX as u64 => {
+                        settings.max = Some(n as u32);
+                        Ok(())
+                    }
                     _ => Err("`max` takes a whole number of attempts, e.g. `max = 4`"),
                 },
-                "deadline_ms" | "backoff_base_ms" | "backoff_cap_ms" | "commit_timeout_ms" | "hot_row_memory_ms" => match lit_u64(&value) {
-                    Some(0) if name == "deadline_ms" || name == "commit_timeout_ms" => {
-                        Err("a zero budget would fail every call; give a number of milliseconds above 0")
-                    }
-                    Some(ms) => Ok(SettingValue::Millis(ms)),
-                    None => Err("this key takes a whole number of milliseconds, e.g. `deadline_ms = 800`"),
-                },
-                "isolation" => match &value {
-                    Expr::Path(p) if p.path.get_ident().is_some_and(|i| ["read_committed", "repeatable_read", "serializable"].contains(&i.to_string().as_str())) => {
-                        Ok(SettingValue::Isolation(p.path.get_ident().unwrap().clone()))
-                    }
+                "deadline_ms" => millis().map(|ms| settings.deadline_ms = Some(ms)),
+                "backoff_base_ms" => millis().map(|ms| settings.backoff_base_ms = Some(ms)),
+                "backoff_cap_ms" => millis().map(|ms| settings.backoff_cap_ms = Some(ms)),
+                "commit_timeout_ms" => millis().map(|ms| settings.commit_timeout_ms = Some(ms)),
+                "hot_row_memory_ms" => millis().map(|ms| settings.hot_row_memory_ms = Some(ms)),
+                "isolation" => match ident.as_deref() {
+                    Some("read_committed") => Ok(IsolationArg::ReadCommitted),
+                    Some("repeatable_read") => Ok(IsolationArg::RepeatableRead),
+                    Some("serializable") => Ok(IsolationArg::Serializable),
                     _ => Err("`isolation` is one of `read_committed` (the default), `repeatable_read` or `serializable`"),
-                },
-                "on_conflict" => match &value {
-                    Expr::Path(p) if p.path.get_ident().is_some_and(|i| i == "lock" || i == "retry") => {
-                        Ok(SettingValue::OnConflict(p.path.get_ident().unwrap().clone()))
-                    }
+                }
+                .map(|level| settings.isolation = Some(level)),
+                "on_conflict" => match ident.as_deref() {
+                    Some("retry") => Ok(OnConflictArg::Retry),
+                    Some("lock") => Ok(OnConflictArg::Lock),
                     _ => Err("`on_conflict` is `retry` (the default) or `lock`"),
-                },
+                }
+                .map(|mode| settings.on_conflict = Some(mode)),
                 "retry_lock_not_available" => match &value {
-                    Expr::Lit(syn::ExprLit { lit: Lit::Bool(b), .. }) => Ok(SettingValue::Flag(b.value)),
+                    Expr::Lit(syn::ExprLit { lit: Lit::Bool(b), .. }) => {
+                        settings.retry_lock_not_available = Some(b.value);
+                        Ok(())
+                    }
                     _ => Err("`retry_lock_not_available` is `true` or `false`"),
                 },
-                "policy" => Ok(SettingValue::Policy(value.clone())),
+                "policy" => {
+                    settings.policy = Some(value.clone());
+                    Ok(())
+                }
                 _ => {
                     errors.push_at(&key, format!("unknown key `{key}` in #[retryable(..)]; the valid keys are {KEYS}"));
                     return Ok(());
                 }
             };
-            match parsed {
-                Ok(value) => settings.push(Setting { key, value }),
-                Err(message) => errors.push_at(&value, message),
+            if let Err(message) = checked {
+                errors.push_at(&value, message);
             }
             Ok(())
         });

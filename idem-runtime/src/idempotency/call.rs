@@ -35,6 +35,7 @@ use crate::tx::Tx;
 const WAIT_POLL: Duration = Duration::from_millis(20);
 
 /// One call of an idempotent function.
+#[doc(hidden)]
 pub struct Call<E> {
     request: Request,
     /// External mode: this call holds the committed claim.
@@ -51,6 +52,7 @@ pub struct Call<E> {
 /// What an attempt of an idempotent call answers, before it becomes the
 /// caller's `Result<Idempotent<V>, E>` in [`Call::end`].
 #[derive(Debug)]
+#[doc(hidden)]
 pub enum Reply<V, F> {
     /// The body ran and its response was recorded.
     Fresh(V),

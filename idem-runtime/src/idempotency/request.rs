@@ -16,6 +16,7 @@ use crate::error::Error;
 
 /// One idempotent request, validated.
 #[derive(Debug, Clone)]
+#[doc(hidden)]
 pub struct Request {
     pub(crate) config: IdempotencyConfig,
     scope: String,

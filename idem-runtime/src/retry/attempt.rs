@@ -18,6 +18,7 @@ use crate::tx::{CommitFailure, Tx};
 
 /// How an attempt begins its transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[doc(hidden)]
 pub enum Begin {
     /// Check out a connection and `BEGIN` before the body runs.
     Now,
@@ -28,6 +29,7 @@ pub enum Begin {
 /// One attempt's connection and transaction. Dropping it while its
 /// transaction is open (the caller's future was cancelled mid-attempt)
 /// cancels the running statement and closes the connection.
+#[doc(hidden)]
 pub struct Attempt {
     tx: Option<Tx>,
     /// `Begin::OnFirstUse`: where and how to begin.

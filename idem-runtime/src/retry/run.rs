@@ -78,12 +78,14 @@ where
 }
 
 /// An attempt's plain result, as the step "commit and return it".
+#[doc(hidden)]
 pub fn commit<T, E>(result: Result<T, E>) -> Result<Step<T>, E> {
     result.map(Step::Commit)
 }
 
 /// What an attempt asks of its transaction when its body is done.
 #[derive(Debug)]
+#[doc(hidden)]
 pub enum Step<T> {
     /// Commit, then return `T`.
     Commit(T),
@@ -102,6 +104,7 @@ pub enum Step<T> {
 
 /// The state of one call's retry loop: budget spent, and whether rows are
 /// being locked after a conflict.
+#[doc(hidden)]
 pub struct RetryLoop<'p> {
     pool: &'p Pool,
     policy: RetryPolicy,

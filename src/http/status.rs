@@ -1,0 +1,60 @@
+//! The one table that decides the HTTP status of each of idem's outcomes.
+//! [`Problem`](super::Problem) takes its statuses from here.
+
+use crate::{Error, VersionedError};
+
+use super::etag::EtagError;
+
+/// The HTTP status a handler answers an outcome with.
+///
+/// ```
+/// use idem::http::HttpStatus;
+/// assert_eq!(idem::Error::FingerprintMismatch.http_status(), 422);
+/// assert_eq!(idem::VersionedError::NotFound.http_status(), 404);
+/// ```
+pub trait HttpStatus {
+    /// The status code.
+    fn http_status(&self) -> u16;
+}
+
+impl HttpStatus for Error {
+    /// 400 for a bad key, 409 for a conflict that a later retry may win,
+    /// 422 for a key reused for another request, 502 when an outside system
+    /// may have acted, 503 when the database is busy or unreachable or the
+    /// commit's outcome is unknown (retry with the same key), 500 otherwise.
+    fn http_status(&self) -> u16 {
+        match self {
+            Error::InvalidKey { .. } | Error::MissingKey => 400,
+            Error::FingerprintMismatch => 422,
+            Error::Exhausted { .. } | Error::InProgress | Error::ClaimLost => 409,
+            Error::OutcomeUnknown => 502,
+            Error::CommitUnknown { .. } | Error::Pool(_) => 503,
+            _ => 500,
+        }
+    }
+}
+
+impl HttpStatus for VersionedError {
+    /// 412 for a stale precondition, 404, 409 for a refused transition, 500
+    /// otherwise.
+    fn http_status(&self) -> u16 {
+        match self {
+            VersionedError::Stale { .. } => 412,
+            VersionedError::NotFound => 404,
+            VersionedError::StateMismatch { .. } => 409,
+            _ => 500,
+        }
+    }
+}
+
+/// ```
+/// use idem::http::{etag::{version_from_etag, IfMatch}, HttpStatus};
+/// assert_eq!(IfMatch::parse("v1").unwrap_err().http_status(), 400);
+/// assert_eq!(version_from_etag("\"v-1\"").unwrap_err().http_status(), 412);
+/// ```
+impl HttpStatus for EtagError {
+    /// 412 for a tag that can never match, 400 for a malformed header.
+    fn http_status(&self) -> u16 {
+        self.status()
+    }
+}
