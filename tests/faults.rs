@@ -1,7 +1,8 @@
 //! Faults on the wire, through a TCP proxy between idem and a real
 //! PostgreSQL: a connection lost before a statement reaches the server, an
 //! answer to `COMMIT` that never arrives (the server committed), a `COMMIT`
-//! held on its way, pooled connections that all break at once. Every effect
+//! held on its way, pooled connections that all break at once; and a response
+//! built to break SQL quoting. Every effect
 //! is counted in the database through a connection of its own, never taken
 //! from idem's own report.
 
@@ -356,4 +357,48 @@ async fn a_held_external_commit_is_bounded_by_the_commit_timeout() {
         "the outside call ran once"
     );
     drop(env.db);
+}
+
+/// A response built to break SQL quoting: 0.1 formatted responses into
+/// `COMMIT`'s SQL text, dollar-quoted with a tag searched for in quadratic
+/// time. 0.2 binds it; it is stored and replayed byte for byte.
+#[idempotent(key = key, fingerprint(n))]
+async fn echo_hostile(
+    conn: &mut AsyncPgConnection,
+    key: &str,
+    n: usize,
+) -> Result<String, AppError> {
+    insert_effect(conn, "hostile").await?;
+    let mut text = String::from("'; DROP TABLE idem_requests; -- $$ ");
+    for i in 0..n {
+        text.push_str(&format!("$idem{i}$"));
+    }
+    Ok(text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_full_of_quote_tags_is_stored_and_replayed_as_is() {
+    let env = env(2).await;
+    // About 60 KB of `$idemN$` tags.
+    let first = echo_hostile(&env.pool, "hostile-1", 6000)
+        .await
+        .expect("stored");
+    assert!(!first.replayed);
+    assert!(first.value.len() > 50_000, "{}", first.value.len());
+    let again = echo_hostile(&env.pool, "hostile-1", 6000)
+        .await
+        .expect("replayed");
+    assert!(again.replayed);
+    assert_eq!(again.value, first.value);
+    assert_eq!(env.effects("hostile").await, 1);
+    let stored: String = env
+        .client
+        .query_one(
+            "SELECT response #>> '{}' FROM idem_requests WHERE key = 'hostile-1'",
+            &[],
+        )
+        .await
+        .expect("read the record")
+        .get(0);
+    assert_eq!(stored, first.value);
 }
