@@ -4,9 +4,10 @@
 use proc_macro2::{Group, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned};
 
-use super::parse::{ChangeSet, Field, Model};
+use super::parse::Field;
+use super::validate::{ChangeSet, Model};
 
-fn column(table: &syn::Path, field: &Field) -> TokenStream {
+pub(crate) fn column(table: &syn::Path, field: &Field) -> TokenStream {
     let column = &field.column;
     quote!(#table::#column)
 }
@@ -31,13 +32,16 @@ fn respan(tokens: TokenStream, span: Span) -> TokenStream {
         .collect()
 }
 
-/// `a.eq(x).and(b.eq(y))...` over `(column, value)` pairs, in order.
+/// `a.eq(x).and(b.eq(y))...` over `(column, value)` pairs, in order. A model
+/// always has a key, so there is at least one pair.
 fn conjunction(predicates: &[(TokenStream, TokenStream)]) -> TokenStream {
     let mut iter = predicates.iter().map(|(col, val)| quote!(#col.eq(#val)));
-    let first = iter
-        .next()
-        .expect("a filter has at least the key and version");
-    iter.fold(first, |acc, next| quote!(#acc.and(#next)))
+    match iter.next() {
+        Some(first) => iter.fold(first, |acc, next| quote!(#acc.and(#next))),
+        None => quote!(::core::compile_error!(
+            "#[derive(Versioned)] found no key column to filter on; please report this to idem"
+        )),
+    }
 }
 
 pub(crate) fn model(model: &Model) -> TokenStream {

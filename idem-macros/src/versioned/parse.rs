@@ -1,9 +1,12 @@
-//! Reads a model or a changeset struct into a typed description, checking every
-//! name it refers to. Nothing here generates code.
+//! Reads a model or a changeset struct as written: its fields and the keys of
+//! its `#[versioned(..)]` and `#[diesel(..)]` attributes, each kept with the
+//! user's tokens for spans. Only syntax is checked here; whether the names
+//! refer to fields is `validate`'s business, and nothing here generates code.
 
 use proc_macro2::{Span, TokenStream};
 use syn::parse::{Parse, ParseStream};
 use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
 use syn::{Data, DeriveInput, Fields, Ident, Path, Token, Type};
 
 use crate::errors::Errors;
@@ -12,6 +15,7 @@ const MODEL_KEYS: &str = "`tenant`, `version`, `key` and `state`";
 const CHANGES_KEYS: &str = "`model` and `table`";
 
 /// One field of the struct and the column it maps to.
+#[derive(Clone)]
 pub(crate) struct Field {
     pub(crate) ident: Ident,
     pub(crate) ty: Type,
@@ -19,39 +23,16 @@ pub(crate) struct Field {
     pub(crate) column: Ident,
 }
 
-/// A struct deriving `Versioned`.
-pub(crate) struct Model {
-    pub(crate) ident: Ident,
-    /// The diesel table module (`documents`), whose columns the fields name.
-    pub(crate) table: Path,
-    pub(crate) fields: Vec<Field>,
-    /// Index into `fields`; `None` for `tenant = none`.
-    pub(crate) tenant: Option<usize>,
-    pub(crate) version: usize,
-    /// Indexes into `fields`, in key order.
-    pub(crate) key: Vec<usize>,
-    pub(crate) state: Option<usize>,
-}
-
-/// A struct deriving `VersionedChanges`.
-pub(crate) struct ChangeSet {
-    pub(crate) ident: Ident,
-    pub(crate) generics: syn::Generics,
-    pub(crate) model: Path,
-    pub(crate) table: Path,
-    pub(crate) fields: Vec<Field>,
-}
-
 /// `tenant = tenant_id` or `tenant = none`.
-enum TenantArg {
+pub(crate) enum TenantArg {
     Field(Ident),
     None,
 }
 
-/// A key of `#[versioned(..)]` as written, kept for spans.
-struct Arg<T> {
-    key: Ident,
-    value: T,
+/// A key of an attribute as written, kept for spans.
+pub(crate) struct Arg<T> {
+    pub(crate) key: Ident,
+    pub(crate) value: T,
 }
 
 impl<T> Arg<T> {
@@ -65,6 +46,37 @@ impl<T> Arg<T> {
             *slot = Some(Arg { key, value });
         }
     }
+}
+
+/// A struct deriving `Versioned`, as written.
+pub(crate) struct ModelInput {
+    pub(crate) ident: Ident,
+    pub(crate) generics: syn::Generics,
+    /// `None` when the item is not a struct with named fields (already reported).
+    pub(crate) fields: Option<Vec<Field>>,
+    /// Where an empty field list `{}` is, for the error that it is empty.
+    pub(crate) fields_span: Span,
+    /// The diesel table module (`documents`), whose columns the fields name.
+    pub(crate) table: Path,
+    /// `#[diesel(primary_key(..))]`, keyed by `primary_key`.
+    pub(crate) primary_key: Option<Arg<Vec<Ident>>>,
+    /// The first `#[versioned(..)]`, if there is one.
+    pub(crate) attr: Option<syn::Attribute>,
+    pub(crate) tenant: Option<Arg<TenantArg>>,
+    pub(crate) version: Option<Arg<Ident>>,
+    pub(crate) key: Option<Arg<Vec<Ident>>>,
+    pub(crate) state: Option<Arg<Ident>>,
+}
+
+/// A struct deriving `VersionedChanges`, as written.
+pub(crate) struct ChangesInput {
+    pub(crate) ident: Ident,
+    pub(crate) generics: syn::Generics,
+    /// `None` when the item is not a struct with named fields (already reported).
+    pub(crate) fields: Option<Vec<Field>>,
+    pub(crate) model: Option<Path>,
+    /// `#[versioned(table = ..)]`, else `#[diesel(table_name = ..)]`.
+    pub(crate) table: Option<Path>,
 }
 
 /// The `(a, b)` or `a` after `key =`.
@@ -92,7 +104,7 @@ impl Parse for KeyFields {
 #[derive(Default)]
 struct DieselAttrs {
     table_name: Option<Path>,
-    primary_key: Option<Vec<Ident>>,
+    primary_key: Option<Arg<Vec<Ident>>>,
 }
 
 fn diesel_struct_attrs(attrs: &[syn::Attribute], errors: &mut Errors) -> DieselAttrs {
@@ -105,7 +117,10 @@ fn diesel_struct_attrs(attrs: &[syn::Attribute], errors: &mut Errors) -> DieselA
                 let content;
                 syn::parenthesized!(content in meta.input);
                 let idents = Punctuated::<Ident, Token![,]>::parse_terminated(&content)?;
-                out.primary_key = Some(idents.into_iter().collect());
+                out.primary_key = Some(Arg {
+                    key: meta.path.require_ident()?.clone(),
+                    value: idents.into_iter().collect(),
+                });
             } else {
                 skip_meta_value(&meta)?;
             }
@@ -148,52 +163,65 @@ fn column_name(field: &syn::Field, errors: &mut Errors) -> Option<Ident> {
     column
 }
 
-fn named_fields(input: &DeriveInput, derive: &str, errors: &mut Errors) -> Vec<Field> {
-    let fields = match &input.data {
+/// The struct's named fields, or `None` (reported at the offending token) when
+/// the item is a tuple or unit struct, an enum or a union.
+fn named_fields(input: &DeriveInput, derive: &str, errors: &mut Errors) -> Option<Vec<Field>> {
+    let ident = &input.ident;
+    let example = format!("`struct {ident} {{ id: i64, .. }}`");
+    let named = match &input.data {
         Data::Struct(data) => match &data.fields {
-            Fields::Named(named) => &named.named,
-            _ => {
+            Fields::Named(named) => named,
+            Fields::Unnamed(unnamed) => {
                 errors.push_at(
-                    &input.ident,
-                    format!("#[derive({derive})] needs a struct with named fields"),
+                    unnamed,
+                    format!("#[derive({derive})] needs named fields, one per column, but `{ident}` is a tuple struct; write it as {example}"),
                 );
-                return Vec::new();
+                return None;
+            }
+            Fields::Unit => {
+                errors.push_at(
+                    ident,
+                    format!("#[derive({derive})] needs named fields, one per column, but `{ident}` is a unit struct; write it as {example}"),
+                );
+                return None;
             }
         },
-        _ => {
+        Data::Enum(data) => {
             errors.push_at(
-                &input.ident,
-                format!("#[derive({derive})] needs a struct with named fields"),
+                data.enum_token,
+                format!("#[derive({derive})] needs a struct with named fields, one per column, not an enum; write {example}"),
             );
-            return Vec::new();
+            return None;
+        }
+        Data::Union(data) => {
+            errors.push_at(
+                data.union_token,
+                format!("#[derive({derive})] needs a struct with named fields, one per column, not a union; write {example}"),
+            );
+            return None;
         }
     };
-    fields
+    let fields = named
+        .named
         .iter()
-        .map(|f| {
-            let ident = f.ident.clone().expect("named fields have names");
-            Field {
+        // Named fields always have a name.
+        .filter_map(|f| {
+            let ident = f.ident.clone()?;
+            Some(Field {
                 column: column_name(f, errors).unwrap_or_else(|| ident.clone()),
                 ident,
                 ty: f.ty.clone(),
-            }
+            })
         })
-        .collect()
+        .collect();
+    Some(fields)
 }
 
-fn find_field(fields: &[Field], name: &Ident, owner: &Ident, errors: &mut Errors) -> Option<usize> {
-    let found = fields.iter().position(|f| f.ident == *name);
-    if found.is_none() {
-        let names: Vec<String> = fields.iter().map(|f| format!("`{}`", f.ident)).collect();
-        errors.push_at(
-            name,
-            format!(
-                "`{owner}` has no field `{name}`; its fields are {}",
-                names.join(", ")
-            ),
-        );
+fn fields_span(input: &DeriveInput) -> Span {
+    match &input.data {
+        Data::Struct(data) => data.fields.span(),
+        _ => input.ident.span(),
     }
-    found
 }
 
 /// diesel's default table name: the struct name in snake case, plus `s`.
@@ -213,21 +241,14 @@ fn inferred_table(ident: &Ident) -> Path {
     Ident::new(&snake, ident.span()).into()
 }
 
-impl Model {
-    pub(crate) fn from_input(input: &DeriveInput) -> syn::Result<Model> {
-        let mut errors = Errors::default();
-        if !input.generics.params.is_empty() {
-            errors.push_at(
-                &input.generics,
-                "a #[derive(Versioned)] model cannot be generic",
-            );
-        }
-        let fields = named_fields(input, "Versioned", &mut errors);
-        let diesel = diesel_struct_attrs(&input.attrs, &mut errors);
+impl ModelInput {
+    pub(crate) fn parse(input: &DeriveInput, errors: &mut Errors) -> ModelInput {
+        let fields = named_fields(input, "Versioned", errors);
+        let diesel = diesel_struct_attrs(&input.attrs, errors);
 
         let mut tenant: Option<Arg<TenantArg>> = None;
         let mut version: Option<Arg<Ident>> = None;
-        let mut key: Option<Arg<KeyFields>> = None;
+        let mut key: Option<Arg<Vec<Ident>>> = None;
         let mut state: Option<Arg<Ident>> = None;
         let mut first_attr: Option<&syn::Attribute> = None;
         for attr in input
@@ -244,11 +265,14 @@ impl Model {
                     "tenant" => {
                         let value: Ident = meta.value()?.parse()?;
                         let value = if value == "none" { TenantArg::None } else { TenantArg::Field(value) };
-                        Arg::set(&mut tenant, name, value, &mut errors);
+                        Arg::set(&mut tenant, name, value, errors);
                     }
-                    "version" => Arg::set(&mut version, name, meta.value()?.parse()?, &mut errors),
-                    "key" => Arg::set(&mut key, name, meta.value()?.parse()?, &mut errors),
-                    "state" => Arg::set(&mut state, name, meta.value()?.parse()?, &mut errors),
+                    "version" => Arg::set(&mut version, name, meta.value()?.parse()?, errors),
+                    "key" => {
+                        let KeyFields(fields) = meta.value()?.parse()?;
+                        Arg::set(&mut key, name, fields, errors);
+                    }
+                    "state" => Arg::set(&mut state, name, meta.value()?.parse()?, errors),
                     _ => {
                         errors.push_at(&name, format!("unknown key `{name}` in #[versioned(..)]; the valid keys are {MODEL_KEYS}"));
                         skip_meta_value(&meta)?;
@@ -261,104 +285,28 @@ impl Model {
             }
         }
 
-        let seen_attr = first_attr.is_some();
-        match first_attr {
-            None => errors.push_at(
-                &input.ident,
-                "#[derive(Versioned)] needs #[versioned(tenant = <field>, version = <field>, key = <field>)] on the struct (`tenant = none` for a table without tenants)",
-            ),
-            Some(attr) if tenant.is_none() => errors.push_at(
-                attr,
-                "#[versioned(..)] must name the tenant: add `tenant = <field>`, or `tenant = none` for a table that has no tenants",
-            ),
-            Some(_) => {}
-        }
-
-        let ident = &input.ident;
-        let tenant_index = match tenant.as_ref().map(|t| &t.value) {
-            Some(TenantArg::Field(name)) => find_field(&fields, name, ident, &mut errors),
-            _ => None,
-        };
-        let version_index = match &version {
-            Some(v) => find_field(&fields, &v.value, ident, &mut errors),
-            None => {
-                let found = fields.iter().position(|f| f.ident == "version");
-                if found.is_none() && !fields.is_empty() && seen_attr {
-                    errors.push_at(ident, "name the version column: #[versioned(version = <field>)] (no field is called `version`)");
-                }
-                found
-            }
-        };
-        let key_names: Vec<Ident> = match (&key, diesel.primary_key) {
-            (Some(k), _) => k.value.0.clone(),
-            (None, Some(pk)) => pk,
-            (None, None) => match fields.iter().find(|f| f.ident == "id") {
-                Some(f) => vec![f.ident.clone()],
-                None => {
-                    if !fields.is_empty() && seen_attr {
-                        errors.push_at(ident, "name the row's key: #[versioned(key = <field>)] or key = (a, b) (there is no #[diesel(primary_key(..))] and no field `id`)");
-                    }
-                    Vec::new()
-                }
-            },
-        };
-        let key_indexes: Vec<usize> = key_names
-            .iter()
-            .filter_map(|k| find_field(&fields, k, ident, &mut errors))
-            .collect();
-        let state_index = state
-            .as_ref()
-            .and_then(|s| find_field(&fields, &s.value, ident, &mut errors));
-
-        // One column cannot play two roles: the version would then be part of the
-        // key, or the tenant assignable as a state.
-        let mut roles: Vec<(usize, &str)> = Vec::new();
-        roles.extend(tenant_index.map(|i| (i, "tenant")));
-        roles.extend(version_index.map(|i| (i, "version")));
-        roles.extend(key_indexes.iter().map(|&i| (i, "key")));
-        roles.extend(state_index.map(|i| (i, "state")));
-        for (n, (index, role)) in roles.iter().enumerate() {
-            if let Some((_, other)) = roles[..n].iter().find(|(i, _)| i == index) {
-                let field = &fields[*index].ident;
-                let at = match *role {
-                    "version" => version.as_ref().map(|v| v.value.span()),
-                    "state" => state.as_ref().map(|s| s.value.span()),
-                    "key" => key.as_ref().map(|k| k.key.span()),
-                    _ => None,
-                }
-                .unwrap_or_else(|| input.ident.span());
-                errors.push(syn::Error::new(
-                    at,
-                    format!("field `{field}` cannot be both the {other} and the {role}"),
-                ));
-            }
-        }
-
-        let table = diesel
-            .table_name
-            .unwrap_or_else(|| inferred_table(&input.ident));
-        let model = Model {
+        ModelInput {
             ident: input.ident.clone(),
-            table,
+            generics: input.generics.clone(),
             fields,
-            tenant: tenant_index,
-            version: version_index.unwrap_or(0),
-            key: key_indexes,
-            state: state_index,
-        };
-        errors.finish(model)
-    }
-
-    pub(crate) fn field(&self, index: usize) -> &Field {
-        &self.fields[index]
+            fields_span: fields_span(input),
+            table: diesel
+                .table_name
+                .unwrap_or_else(|| inferred_table(&input.ident)),
+            primary_key: diesel.primary_key,
+            attr: first_attr.cloned(),
+            tenant,
+            version,
+            key,
+            state,
+        }
     }
 }
 
-impl ChangeSet {
-    pub(crate) fn from_input(input: &DeriveInput) -> syn::Result<ChangeSet> {
-        let mut errors = Errors::default();
-        let fields = named_fields(input, "VersionedChanges", &mut errors);
-        let diesel = diesel_struct_attrs(&input.attrs, &mut errors);
+impl ChangesInput {
+    pub(crate) fn parse(input: &DeriveInput, errors: &mut Errors) -> ChangesInput {
+        let fields = named_fields(input, "VersionedChanges", errors);
+        let diesel = diesel_struct_attrs(&input.attrs, errors);
         let mut model: Option<Arg<Path>> = None;
         let mut table: Option<Arg<Path>> = None;
         for attr in input
@@ -371,8 +319,8 @@ impl ChangeSet {
                     return Err(meta.error(format!("expected one of {CHANGES_KEYS}")));
                 };
                 match name.to_string().as_str() {
-                    "model" => Arg::set(&mut model, name, meta.value()?.parse()?, &mut errors),
-                    "table" => Arg::set(&mut table, name, meta.value()?.parse()?, &mut errors),
+                    "model" => Arg::set(&mut model, name, meta.value()?.parse()?, errors),
+                    "table" => Arg::set(&mut table, name, meta.value()?.parse()?, errors),
                     _ => {
                         errors.push_at(&name, format!("unknown key `{name}` in #[versioned(..)] of a changeset; the valid keys are {CHANGES_KEYS}"));
                         skip_meta_value(&meta)?;
@@ -384,31 +332,12 @@ impl ChangeSet {
                 errors.push(err);
             }
         }
-        if model.is_none() {
-            errors.push_at(&input.ident, "#[derive(VersionedChanges)] needs #[versioned(model = <the #[derive(Versioned)] struct>)]");
-        }
-        let table = match (table, diesel.table_name) {
-            (Some(t), _) => Some(t.value),
-            (None, Some(t)) => Some(t),
-            (None, None) => {
-                errors.push_at(
-                    &input.ident,
-                    "name the table this changeset writes: #[diesel(table_name = <table>)]",
-                );
-                None
-            }
-        };
-        if fields.is_empty() && matches!(input.data, Data::Struct(_)) {
-            errors.push_at(&input.ident, "a changeset with no fields would only bump the version; give it at least one field");
-        }
-        let placeholder = || Path::from(Ident::new("__idem_missing", Span::call_site()));
-        let changes = ChangeSet {
+        ChangesInput {
             ident: input.ident.clone(),
             generics: input.generics.clone(),
-            model: model.map(|m| m.value).unwrap_or_else(placeholder),
-            table: table.unwrap_or_else(placeholder),
             fields,
-        };
-        errors.finish(changes)
+            model: model.map(|m| m.value),
+            table: table.map(|t| t.value).or(diesel.table_name),
+        }
     }
 }

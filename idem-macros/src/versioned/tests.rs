@@ -7,22 +7,30 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{derive_changes, derive_model, parse};
+use super::{derive_changes, derive_model, parse, validate};
+use crate::errors::Errors;
 use crate::test_support::pretty;
 
-/// Every message of a failed parse, in the order they were found.
+/// Every message of a failed parse and validation, in the order they were found.
 fn model_errors(input: TokenStream) -> Vec<String> {
     let input: syn::DeriveInput = syn::parse2(input).unwrap();
-    match parse::Model::from_input(&input) {
-        Ok(_) => Vec::new(),
-        Err(err) => err.into_iter().map(|e| e.to_string()).collect(),
-    }
+    let mut errors = Errors::default();
+    let parsed = parse::ModelInput::parse(&input, &mut errors);
+    validate::model(&parsed, &mut errors);
+    messages(errors)
 }
 
 fn changes_errors(input: TokenStream) -> Vec<String> {
     let input: syn::DeriveInput = syn::parse2(input).unwrap();
-    match parse::ChangeSet::from_input(&input) {
-        Ok(_) => Vec::new(),
+    let mut errors = Errors::default();
+    let parsed = parse::ChangesInput::parse(&input, &mut errors);
+    validate::changes(&parsed, &mut errors);
+    messages(errors)
+}
+
+fn messages(errors: Errors) -> Vec<String> {
+    match errors.finish(()) {
+        Ok(()) => Vec::new(),
         Err(err) => err.into_iter().map(|e| e.to_string()).collect(),
     }
 }
@@ -93,7 +101,7 @@ fn changes_borrowing_with_where_clause() {
 }
 
 #[test]
-fn a_broken_model_expands_to_compile_errors_only() {
+fn a_broken_model_expands_to_its_errors_and_a_fallback_impl() {
     let out = derive_model(quote! {
         #[versioned(tenant = tenant_id, sate = status)]
         struct Document {
@@ -190,5 +198,169 @@ fn changes_report_every_mistake() {
             "name the table this changeset writes: #[diesel(table_name = <table>)]",
             "a changeset with no fields would only bump the version; give it at least one field",
         ]
+    );
+}
+
+#[test]
+fn a_model_without_fields_is_one_error() {
+    for input in [
+        quote!(
+            #[versioned(tenant = none)]
+            struct Empty {}
+        ),
+        quote!(
+            #[versioned(tenant = tenant_id, version = version, key = id)]
+            struct Empty {}
+        ),
+    ] {
+        assert_eq!(
+            model_errors(input),
+            ["`Empty` has no fields, but a #[derive(Versioned)] model needs one per column, at least its key and its version: `struct Empty { id: i64, version: i64, .. }`"]
+        );
+    }
+}
+
+#[test]
+fn a_model_of_another_shape_is_one_error() {
+    let cases = [
+        (
+            quote!(#[versioned(tenant = tenant_id)] struct Pair(i64, i64);),
+            "#[derive(Versioned)] needs named fields, one per column, but `Pair` is a tuple struct; write it as `struct Pair { id: i64, .. }`",
+        ),
+        (
+            quote!(#[versioned(tenant = none)] struct Unit;),
+            "#[derive(Versioned)] needs named fields, one per column, but `Unit` is a unit struct; write it as `struct Unit { id: i64, .. }`",
+        ),
+        (
+            quote!(#[versioned(tenant = none, key = id)] enum Status { Draft, Published }),
+            "#[derive(Versioned)] needs a struct with named fields, one per column, not an enum; write `struct Status { id: i64, .. }`",
+        ),
+        (
+            quote!(#[versioned(tenant = none)] union Bits { a: i64, b: f64 }),
+            "#[derive(Versioned)] needs a struct with named fields, one per column, not a union; write `struct Bits { id: i64, .. }`",
+        ),
+    ];
+    for (input, message) in cases {
+        assert_eq!(model_errors(input), [message]);
+    }
+}
+
+#[test]
+fn model_rejects_an_empty_or_repeated_key() {
+    let errors = model_errors(quote! {
+        #[diesel(primary_key())]
+        #[versioned(tenant = none)]
+        struct Document { id: i64, version: i64 }
+    });
+    assert_eq!(
+        errors,
+        ["`primary_key()` names no column; name the row's key here or with #[versioned(key = <field>)]"]
+    );
+    let errors = model_errors(quote! {
+        #[versioned(tenant = none, key = (id, id))]
+        struct Document { id: i64, version: i64 }
+    });
+    assert_eq!(
+        errors,
+        ["`id` is named twice in the key; name each key field once"]
+    );
+}
+
+/// Whatever the struct, the derive answers with valid Rust: the expansion, or
+/// its errors and a fallback impl. It never panics.
+#[test]
+fn every_broken_model_expands_to_errors_and_a_fallback() {
+    let cases = [
+        quote!(
+            #[versioned(tenant = none)]
+            struct Empty {}
+        ),
+        quote!(
+            #[versioned(tenant = none)]
+            struct Pair(i64, i64);
+        ),
+        quote!(
+            #[versioned(tenant = none)]
+            struct Unit;
+        ),
+        quote!(
+            #[versioned(tenant = none)]
+            enum Status {
+                Draft,
+            }
+        ),
+        quote!(
+            #[versioned(tenant = none)]
+            struct Generic<'a, T: Clone>
+            where
+                T: Send,
+            {
+                id: &'a T,
+                version: i64,
+            }
+        ),
+        quote!(
+            #[versioned(tenant = none)]
+            struct NoVersion {
+                id: i64,
+            }
+        ),
+        quote!(
+            #[versioned(tenant = none)]
+            struct NoKey {
+                version: i64,
+            }
+        ),
+        quote!(
+            #[diesel(primary_key())]
+            #[versioned(tenant = none)]
+            struct EmptyPk {
+                id: i64,
+                version: i64,
+            }
+        ),
+        quote!(
+            struct NoAttr {
+                id: i64,
+                version: i64,
+            }
+        ),
+        quote!(
+            #[versioned(tenant = none, version = id)]
+            struct TwoRoles {
+                id: i64,
+            }
+        ),
+    ];
+    for input in cases {
+        let out = pretty(derive_model(input.clone()));
+        assert!(out.contains("compile_error!"), "{input}:\n{out}");
+        assert!(out.contains("::idem::Versioned for"), "{input}:\n{out}");
+    }
+}
+
+#[test]
+fn a_broken_changeset_still_implements_versioned_changes_for_its_model() {
+    let out = pretty(derive_changes(quote! {
+        #[versioned(model = Document)]
+        struct Edit { body: String }
+    }));
+    assert!(out.contains("compile_error!"), "{out}");
+    assert!(
+        out.contains("impl ::idem::VersionedChanges<Document> for Edit"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_changeset_of_another_shape_is_one_error() {
+    let errors = changes_errors(quote! {
+        #[versioned(model = Document)]
+        #[diesel(table_name = documents)]
+        struct Edit(String);
+    });
+    assert_eq!(
+        errors,
+        ["#[derive(VersionedChanges)] needs named fields, one per column, but `Edit` is a tuple struct; write it as `struct Edit { id: i64, .. }`"]
     );
 }
