@@ -47,9 +47,15 @@ pub mod idempotency {
     };
 }
 
-/// Versioned writes beyond the derive: the database-side version guard.
+/// Versioned writes beyond the derive: the typestate builders that
+/// `Model::find`, `Model::update` and `Model::delete` hand out (and that
+/// compile errors name), and the database-side version guard.
 pub mod versioned {
-    pub use idem_runtime::versioned::backstop;
+    pub use idem_runtime::versioned::{
+        backstop, ChangesGiven, Delete, ExpectedVersion, Find, HasTenantColumn, NoChanges,
+        NoExpectedVersion, Pending, Tenant, TenantGiven, TenantMissing, Untenanted, Update,
+        VersionGiven, VersionValue, WithChanges,
+    };
 }
 
 #[cfg(feature = "axum")]
