@@ -8,14 +8,22 @@
 //!   uncommitted claim and, once the winner commits, replays the winner's
 //!   record. A body that fails rolls everything back, claim included, so a
 //!   retry really runs again; a *final* error (declined, insufficient funds) is
-//!   stored instead, with the body's writes rolled back to a savepoint.
-//! * **external mode** (the body calls something outside the database): the
-//!   claim commits first, in progress, with a lease; the result is recorded
-//!   when the body is done. A failure that proves nothing left releases the
-//!   claim; any other failure keeps it as *outcome unknown*, and every later
-//!   caller is told the request may have reached its target, until
-//!   [`settle`] decides it. A lease that runs out becomes outcome unknown,
-//!   never a re-run.
+//!   stored instead: its attempt is rolled back and the next attempt of the
+//!   same loop claims the key again and stores the error, without the body.
+//! * **external mode** (the body calls something outside the database), in
+//!   three phases: the claim commits first, in progress, with a lease and the
+//!   call's owner token; the body's outside call runs with no transaction
+//!   open and no connection held ([`crate::retry::Deferred`]); one
+//!   transaction then records the outcome with the body's local writes. A
+//!   claim whose commit went unanswered is recognised by its token and
+//!   resumed. A failure that proves nothing left releases the claim; any
+//!   other failure keeps it as *outcome unknown*, and every later caller is
+//!   told the request may have reached its target, until [`settle`] decides
+//!   it. A lease that runs out becomes outcome unknown, never a re-run.
+//!
+//! Every step (checkout, claim, record, storing a final error) is a step of
+//! the same retry loop as the body ([`Call`] drives them), under its budget
+//! and classification.
 //!
 //! The same key again gets: the stored response ([`Idempotent::replayed`]),
 //! or [`Error::FingerprintMismatch`] (422) for a different

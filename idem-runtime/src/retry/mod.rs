@@ -11,7 +11,10 @@
 //!    swallowed the error, which would otherwise turn the `COMMIT` into a
 //!    silent rollback reported as success ([`Error::RolledBack`]);
 //! 5. on `Err`, `ROLLBACK` (or discard the connection when that fails), then
-//!    replay only if the error is [`Transient`] and the budget allows.
+//!    replay only if the attempt failed on a race the server reported (a
+//!    statement's 40001 or 40P01, a lost connection, a versioned write gone
+//!    stale from a version read in the attempt) and the budget allows. What
+//!    the body returned does not decide it: see [`Transient`].
 //!
 //! A connection that breaks while `COMMIT` is in flight, or whose `COMMIT`
 //! gets no answer within [`RetryPolicy::commit_timeout`], leaves the outcome
