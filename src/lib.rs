@@ -9,7 +9,7 @@
 pub use idem_macros::{idempotent, retryable, Versioned, VersionedChanges};
 
 // `migrate` names both the function and its module (`idem::migrate::migrations()`).
-pub use idem_runtime::{final_errors, migrate, Error};
+pub use idem_runtime::{final_errors, migrate, Error, FromIdemError};
 pub use idem_runtime::{
     Deferred, IdempotencyConfig, Idempotent, IdempotentError, Isolation, Mode, NoFinalErrors,
     OnConflict, Pool, RetryCause, RetryPolicy, Transient,
