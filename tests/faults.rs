@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idem::http::HttpStatus;
 use idem::pool::{build_pool_with, PoolConfig};
 use idem::{idempotent, retryable, Deferred, Pool};
 use idem_testing::proxy::{Fault, Proxy};

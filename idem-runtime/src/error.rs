@@ -130,19 +130,6 @@ pub enum Error {
 }
 
 impl Error {
-    /// Kept until the tests move to `idem::http::HttpStatus` (the one table).
-    #[doc(hidden)]
-    pub fn http_status(&self) -> u16 {
-        match self {
-            Error::InvalidKey { .. } | Error::MissingKey => 400,
-            Error::FingerprintMismatch => 422,
-            Error::Exhausted { .. } | Error::InProgress | Error::ClaimLost => 409,
-            Error::OutcomeUnknown => 502,
-            Error::CommitUnknown { .. } | Error::Pool(_) => 503,
-            _ => 500,
-        }
-    }
-
     /// True when the commit's outcome is unknown: the same request sent
     /// again with the same idempotency key finds out what happened.
     pub fn is_commit_unknown(&self) -> bool {

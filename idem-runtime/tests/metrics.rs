@@ -7,10 +7,11 @@
 //! and the calls run on a current-thread runtime driven from that thread, so
 //! every metric the loop emits reaches it and nothing else does.
 //!
-//! The replayed failures are diesel error values the body returns (a 40001 and
-//! a 40P01 as diesel reports them): what is tested is how the loop classifies
-//! and counts them, not how PostgreSQL raises them (tests/retryable.rs does
-//! that). Every attempt still runs on a real transaction of a real database.
+//! The replayed failures are real server errors a statement of the body meets
+//! (a 40001 and a 40P01 raised by a `DO` block): the loop classifies what
+//! failed on the attempt, so a made-up error value would not be replayed.
+//! What is tested is how it counts them; tests/retryable/ shows the races
+//! themselves. Every attempt runs on a real transaction of a real database.
 #![cfg(feature = "metrics")]
 
 use std::collections::BTreeMap;

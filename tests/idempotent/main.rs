@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idem::http::HttpStatus;
 use idem::idempotency::{current_key, purge_expired, settle, Settlement, OUTCOME_UNKNOWN_MESSAGE};
 use idem::pool::{build_pool_with, PoolConfig};
 use idem::{idempotent, retryable, Deferred, IdempotentError, Pool, VersionedError};

@@ -9,6 +9,7 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::pooled_connection::deadpool::Pool;
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idem::http::HttpStatus;
 use idem::{Versioned, VersionedChanges, VersionedError};
 use serde_json::json;
 use tokio::sync::Barrier;

@@ -59,19 +59,6 @@ pub enum VersionedError {
     Database(#[from] DieselError),
 }
 
-impl VersionedError {
-    /// Kept until the tests move to `idem::http::HttpStatus` (the one table).
-    #[doc(hidden)]
-    pub fn http_status(&self) -> u16 {
-        match self {
-            VersionedError::Stale { .. } => 412,
-            VersionedError::NotFound => 404,
-            VersionedError::StateMismatch { .. } => 409,
-            VersionedError::Database(_) => 500,
-        }
-    }
-}
-
 /// An integer type that can hold a row version: `i16`, `i32` or `i64`.
 #[diagnostic::on_unimplemented(
     message = "the version field of a `#[derive(Versioned)]` model must be an integer, not `{Self}`",
