@@ -83,6 +83,10 @@ pub fn commit<T, E>(result: Result<T, E>) -> Result<Step<T>, E> {
     result.map(Step::Commit)
 }
 
+/// How many `Step::Again` without delay one call gets free of charge (a
+/// final error to store, a claim to resume, a record gone between two reads).
+const MAX_IMMEDIATE_REPEATS: usize = 8;
+
 /// What an attempt asks of its transaction when its body is done.
 #[derive(Debug)]
 #[doc(hidden)]
@@ -114,6 +118,8 @@ pub struct RetryLoop<'p> {
     lock_rows: bool,
     /// A version conflict met by the current attempt's versioned writes.
     conflict: ConflictSlot,
+    /// `Step::Again` with no delay so far: free up to a bound.
+    immediate_repeats: usize,
     span: tracing::Span,
 }
 
@@ -139,6 +145,7 @@ impl<'p> RetryLoop<'p> {
             attempts: 0,
             lock_rows: false,
             conflict: ConflictSlot::default(),
+            immediate_repeats: 0,
             span,
         }
     }
@@ -266,13 +273,21 @@ impl<'p> RetryLoop<'p> {
             }
             Ok(Step::Again(after)) => {
                 attempt.roll_back(timeout).await;
-                drop(attempt);
-                // Not a failure: the attempt is not charged to the budget.
-                self.attempts -= 1;
-                if !after.is_zero() {
-                    tokio::time::sleep(after).await;
+                // Not a failure: the attempt is not charged to the budget. A
+                // wait (`after` > 0) is bounded by whoever asks for it; an
+                // immediate repeat is bounded here, so no condition that
+                // keeps recurring can spin the loop: past a few, it is
+                // charged like a lost race.
+                self.immediate_repeats += usize::from(after.is_zero());
+                if self.immediate_repeats <= MAX_IMMEDIATE_REPEATS {
+                    drop(attempt);
+                    self.attempts -= 1;
+                    if !after.is_zero() {
+                        tokio::time::sleep(after).await;
+                    }
+                    return ControlFlow::Continue(());
                 }
-                return ControlFlow::Continue(());
+                RetryCause::SerializationFailure
             }
             Ok(Step::CommitAndContinue) => {
                 match attempt.commit(timeout).instrument(self.span.clone()).await {
