@@ -74,7 +74,8 @@ pub enum Error {
     #[error("a #[retryable] function was called inside another retry loop's attempt; call its body with the attempt's connection instead")]
     Nested,
 
-    /// The key is empty, longer than 255 bytes, or has control characters (400).
+    /// The key is empty, longer than 255 bytes, or has control, invisible or
+    /// direction-changing characters (400).
     #[error("invalid idempotency key: {reason}")]
     InvalidKey {
         /// What is wrong with it.

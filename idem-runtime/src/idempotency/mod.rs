@@ -266,7 +266,30 @@ pub fn validate_key(key: &str) -> Result<(), Error> {
             reason: "it contains control characters",
         });
     }
+    if key.chars().any(is_invisible) {
+        return Err(Error::InvalidKey {
+            reason:
+                "it contains invisible or direction-changing characters (zero-width, bidi controls)",
+        });
+    }
     Ok(())
+}
+
+/// Characters that change how a key looks without being seen: two keys that
+/// print alike must not be two keys (Unicode format characters of the kinds
+/// that reorder or hide text, and the byte-order mark).
+fn is_invisible(c: char) -> bool {
+    matches!(c,
+        '\u{00AD}'                    // soft hyphen
+        | '\u{061C}'                  // Arabic letter mark
+        | '\u{180E}'                  // Mongolian vowel separator
+        | '\u{200B}'..='\u{200F}'      // zero-width space, joiners, LRM, RLM
+        | '\u{202A}'..='\u{202E}'      // bidi embeddings and overrides
+        | '\u{2060}'..='\u{2064}'      // word joiner, invisible operators
+        | '\u{2066}'..='\u{206F}'      // bidi isolates, deprecated format chars
+        | '\u{FEFF}'                  // byte-order mark
+        | '\u{FFF9}'..='\u{FFFB}'      // interlinear annotation
+    )
 }
 
 /// The key derived when the caller gives none (seed 001: who : conversation :
@@ -348,6 +371,22 @@ mod tests {
             validate_key("a\u{7f}"),
             Err(Error::InvalidKey { .. })
         ));
+        // Keys that print like another key.
+        for sneaky in [
+            "order\u{200B}-1",
+            "order-1\u{202E}",
+            "\u{2066}order-1\u{2069}",
+            "\u{FEFF}order-1",
+            "or\u{00AD}der-1",
+        ] {
+            assert!(
+                matches!(validate_key(sneaky), Err(Error::InvalidKey { .. })),
+                "{sneaky:?}"
+            );
+        }
+        // Ordinary non-ASCII keys are fine.
+        assert!(validate_key("commande-été-1").is_ok());
+        assert!(validate_key("注文-1").is_ok());
     }
 
     #[test]
