@@ -130,14 +130,6 @@ pub enum Error {
     Database(#[from] diesel::result::Error),
 }
 
-impl Error {
-    /// True when the commit's outcome is unknown: the same request sent
-    /// again with the same idempotency key finds out what happened.
-    pub fn is_commit_unknown(&self) -> bool {
-        matches!(self, Error::CommitUnknown { .. })
-    }
-}
-
 impl crate::retry::Transient for Error {
     fn transient(&self) -> Option<RetryCause> {
         match self {

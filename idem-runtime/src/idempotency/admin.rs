@@ -5,6 +5,7 @@ use diesel::sql_types::{BigInt, Binary, Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
+use super::request::scope_text;
 use super::store;
 use crate::error::Error;
 use crate::pool::Pool;
@@ -81,16 +82,8 @@ pub async fn settle<S: Serialize + ?Sized>(
     key: &str,
     settlement: Settlement,
 ) -> Result<bool, Error> {
-    let scope = serde_json::to_string(scope).map_err(|source| Error::Unserializable {
-        what: "the scope".to_owned(),
-        source,
-    })?;
-    let mut conn = pool.get().await.map_err(|e| {
-        Error::Database(diesel::result::Error::DatabaseError(
-            diesel::result::DatabaseErrorKind::UnableToSendCommand,
-            Box::new(format!("could not check out a connection: {e}")),
-        ))
-    })?;
+    let scope = scope_text(scope)?;
+    let mut conn = pool.get().await?;
     let n = match settlement {
         Settlement::Completed(response) => {
             diesel::sql_query(store::SETTLE_COMPLETED)

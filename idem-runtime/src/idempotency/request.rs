@@ -71,10 +71,7 @@ impl Request {
         scope: &impl Serialize,
         fields: &[Field],
     ) -> Result<Request, Error> {
-        let scope = serde_json::to_string(scope).map_err(|source| Error::Unserializable {
-            what: "the scope".to_owned(),
-            source,
-        })?;
+        let scope = scope_text(scope)?;
         let fingerprint = fingerprint::fingerprint(fields);
         let key = match key {
             Some(Some(key)) => {
@@ -233,6 +230,15 @@ impl ClaimedOrSeen {
         };
         (self.claimed, seen)
     }
+}
+
+/// The scope as stored: the compact JSON of its values. Requests and
+/// [`settle`](super::settle) encode it here, so they name the same key space.
+pub(crate) fn scope_text<S: Serialize + ?Sized>(scope: &S) -> Result<String, Error> {
+    serde_json::to_string(scope).map_err(|source| Error::Unserializable {
+        what: "the scope".to_owned(),
+        source,
+    })
 }
 
 pub(crate) fn micros(d: Duration) -> i64 {

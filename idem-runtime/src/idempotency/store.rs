@@ -54,20 +54,10 @@ pub(crate) struct Claim<'a> {
     pub(crate) owner: Option<&'a [u8]>,
 }
 
-impl QueryFragment<Pg> for Claim<'_> {
-    fn walk_ast<'b>(&'b self, out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        self.walk_insert(out, false)
-    }
-}
-
 impl Claim<'_> {
-    /// The INSERT; `live_in_cte`: the live-record test reads the `seen` CTE
-    /// of [`ClaimOrRead`] instead of the table.
-    fn walk_insert<'b>(
-        &'b self,
-        mut out: AstPass<'_, 'b, Pg>,
-        live_in_cte: bool,
-    ) -> QueryResult<()> {
+    /// The INSERT, as a CTE of [`ClaimOrRead`]: its live-record test reads
+    /// the `seen` CTE beside it.
+    fn walk_insert<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
             "INSERT INTO idem_requests AS r \
              (scope, key, operation, fingerprint, mode, state, owner, expires_at, lease_until) SELECT ",
@@ -87,20 +77,10 @@ impl Claim<'_> {
         out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
         out.push_sql(" * interval '1 microsecond', now() + ");
         out.push_bind_param::<Nullable<BigInt>, _>(&self.lease_micros)?;
-        if live_in_cte {
-            out.push_sql(
-                " * interval '1 microsecond' WHERE NOT EXISTS (SELECT FROM seen l WHERE \
-                 (l.state <> 'completed' OR NOT l.expired))",
-            );
-        } else {
-            out.push_sql(
-                " * interval '1 microsecond' WHERE NOT EXISTS (SELECT FROM idem_requests l WHERE l.scope = ",
-            );
-            out.push_bind_param::<Text, _>(self.scope)?;
-            out.push_sql(" AND l.key = ");
-            out.push_bind_param::<Text, _>(self.key)?;
-            out.push_sql(" AND (l.state <> 'completed' OR l.expires_at > now()))");
-        }
+        out.push_sql(
+            " * interval '1 microsecond' WHERE NOT EXISTS (SELECT FROM seen l WHERE \
+             (l.state <> 'completed' OR NOT l.expired))",
+        );
         out.push_sql(
             " ON CONFLICT (scope, key) DO UPDATE SET operation = excluded.operation, \
              fingerprint = excluded.fingerprint, mode = excluded.mode, state = 'in_progress', \
@@ -129,7 +109,7 @@ impl QueryFragment<Pg> for ClaimOrRead<'_> {
         out.push_sql(" AND key = ");
         out.push_bind_param::<Text, _>(self.0.key)?;
         out.push_sql("), claimed AS (");
-        self.0.walk_insert(out.reborrow(), true)?;
+        self.0.walk_insert(out.reborrow())?;
         out.push_sql(
             " AS ok) SELECT (SELECT ok FROM claimed), seen.operation, seen.fingerprint, seen.state, \
              seen.outcome, seen.response, seen.lease_expired, seen.expired, seen.owner \
@@ -220,11 +200,7 @@ macro_rules! cacheable_by_sql {
         }
     )*};
 }
-cacheable_by_sql!(Claim, ClaimOrRead, Record, Read);
-
-impl Query for Claim<'_> {
-    type SqlType = Bool;
-}
+cacheable_by_sql!(ClaimOrRead, Record, Read);
 
 /// Release a claim that is not completed (its request never left, or an
 /// operator found the target did nothing): the key is new again. `$3`: the
