@@ -9,7 +9,7 @@
 pub use idem_macros::{idempotent, retryable, Versioned, VersionedChanges};
 
 // `migrate` names both the function and its module (`idem::migrate::migrations()`).
-pub use idem_runtime::{final_errors, migrate, Error, FromIdemError};
+pub use idem_runtime::{final_errors, migrate, Error, FromIdemError, Unstorable};
 pub use idem_runtime::{
     Deferred, IdempotencyConfig, Idempotent, IdempotentError, Isolation, Mode, NoFinalErrors,
     OnConflict, Pool, RetryCause, RetryPolicy, Transient,
@@ -42,8 +42,8 @@ pub mod attempt {
 /// operator's settle and purge, the key and fingerprint rules.
 pub mod idempotency {
     pub use idem_runtime::idempotency::{
-        current_key, derived_key, fingerprint, purge_expired, settle, validate_key, Field,
-        PurgeReport, Settlement, OUTCOME_UNKNOWN_MESSAGE,
+        current_key, derived_key, fingerprint, purge_expired, scope_hash, settle, validate_key,
+        Field, PurgeReport, Settlement, MAX_STORED_DEPTH, OUTCOME_UNKNOWN_MESSAGE,
     };
 }
 

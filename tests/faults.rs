@@ -116,13 +116,13 @@ async fn write(conn: &mut AsyncPgConnection, tag: &str) -> Result<i64, AppError>
     insert_effect(conn, tag).await
 }
 
-#[idempotent(key = key, fingerprint(tag))]
+#[idempotent(key = key, fingerprint(tag), scope = none)]
 #[retryable(max = 3, deadline_ms = 10000)]
 async fn write_once(conn: &mut AsyncPgConnection, key: &str, tag: &str) -> Result<i64, AppError> {
     insert_effect(conn, tag).await
 }
 
-#[idempotent(key = key, fingerprint(tag))]
+#[idempotent(key = key, fingerprint(tag), scope = none)]
 #[retryable(max = 3, deadline_ms = 10000)]
 async fn decline(conn: &mut AsyncPgConnection, key: &str, tag: &str) -> Result<i64, AppError> {
     insert_effect(conn, tag).await?;
@@ -130,7 +130,7 @@ async fn decline(conn: &mut AsyncPgConnection, key: &str, tag: &str) -> Result<i
 }
 
 /// An outside call counted in `calls`, then the local write.
-#[idempotent(key = key, fingerprint(tag), mode = external)]
+#[idempotent(key = key, fingerprint(tag), mode = external, scope = none)]
 #[retryable(max = 3, deadline_ms = 10000, commit_timeout_ms = 200)]
 async fn send(
     db: &mut Deferred<'_>,
@@ -144,7 +144,7 @@ async fn send(
 
 /// No #[retryable]: one attempt of the body, yet a stale pooled connection
 /// met before anything ran costs nothing.
-#[idempotent(key = key, fingerprint(tag))]
+#[idempotent(key = key, fingerprint(tag), scope = none)]
 async fn write_once_plain(
     conn: &mut AsyncPgConnection,
     key: &str,
@@ -153,7 +153,7 @@ async fn write_once_plain(
     insert_effect(conn, tag).await
 }
 
-#[idempotent(key = key, fingerprint(tag), mode = external)]
+#[idempotent(key = key, fingerprint(tag), mode = external, scope = none)]
 async fn send_plain(
     db: &mut Deferred<'_>,
     key: &str,
@@ -178,7 +178,7 @@ async fn a_lost_commit_answer_is_commit_unknown_and_the_key_tells_what_happened(
     }
     assert_eq!(env.effects("plain").await, 1, "the server committed it");
 
-    // #[idempotent]: the same, and the same key again returns what committed.
+    // #[idempotent(scope = none)]: the same, and the same key again returns what committed.
     env.proxy.arm(COMMIT, Fault::CutAfter);
     let result = write_once(&env.pool, "k-1", "keyed").await;
     assert!(
@@ -363,7 +363,7 @@ async fn a_held_external_commit_is_bounded_by_the_commit_timeout() {
 /// A response built to break SQL quoting: 0.1 formatted responses into
 /// `COMMIT`'s SQL text, dollar-quoted with a tag searched for in quadratic
 /// time. 0.2 binds it; it is stored and replayed byte for byte.
-#[idempotent(key = key, fingerprint(n))]
+#[idempotent(key = key, fingerprint(n), scope = none)]
 async fn echo_hostile(
     conn: &mut AsyncPgConnection,
     key: &str,

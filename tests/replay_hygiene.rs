@@ -76,7 +76,7 @@ fn cmd(key: &str, amount: i64) -> PayCmd {
 
 /// Each caller proposes its own payment id: a replay that ran the body would
 /// answer (or fail on) another id.
-#[idempotent(key = cmd.key, fingerprint(cmd.amount))]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount), scope = none)]
 #[retryable(max = 4, deadline_ms = 30000)]
 async fn pay(
     conn: &mut AsyncPgConnection,

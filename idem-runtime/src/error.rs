@@ -108,15 +108,12 @@ pub enum Error {
     /// type changed since it was stored).
     #[error("the stored response for this key cannot be read back: {0}")]
     UnreadableResponse(serde_json::Error),
-    /// The response is larger than [`IdempotencyConfig::max_response_bytes`](crate::IdempotencyConfig::max_response_bytes);
-    /// nothing was committed.
-    #[error("the response is {size} bytes, over the {limit}-byte limit for stored responses")]
-    ResponseTooLarge {
-        /// Its size in bytes of JSON.
-        size: usize,
-        /// The configured limit.
-        limit: usize,
-    },
+    /// The response cannot be stored under the key (too large, a NUL
+    /// character, nested too deep), so it could not be replayed: nothing was
+    /// committed and the key stays free (422). A *final* error that cannot be
+    /// stored is returned as it is instead, unrecorded, with a warning.
+    #[error("the response cannot be stored for replay: {0}; nothing was committed")]
+    Unstorable(Unstorable),
     /// External mode: the claim of this key was settled by hand, or its
     /// lease ran out and another request took the key, while this request
     /// ran. Its writes were rolled back; nothing was committed (409).
@@ -128,6 +125,30 @@ pub enum Error {
     /// not replayable (or after the budget ran out).
     #[error("database error: {0}")]
     Database(#[from] diesel::result::Error),
+}
+
+/// Why a response cannot be stored under its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unstorable {
+    /// Larger than [`IdempotencyConfig::max_response_bytes`](crate::IdempotencyConfig::max_response_bytes).
+    #[error("it is {size} bytes of JSON, over the {limit}-byte limit")]
+    TooLarge {
+        /// Its size in bytes of JSON.
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// A string or object key has U+0000, which PostgreSQL's `jsonb` cannot hold.
+    #[error("it contains the character U+0000, which PostgreSQL cannot store")]
+    NulCharacter,
+    /// Arrays and objects nested deeper than [`MAX_STORED_DEPTH`](crate::idempotency::MAX_STORED_DEPTH):
+    /// stored, it could not be read back.
+    #[error("arrays and objects are nested more than {limit} deep")]
+    TooDeep {
+        /// The limit.
+        limit: usize,
+    },
 }
 
 impl crate::retry::Transient for Error {

@@ -11,7 +11,7 @@ pub mod retry;
 mod tx;
 pub mod versioned;
 
-pub use error::{Error, FromIdemError};
+pub use error::{Error, FromIdemError, Unstorable};
 #[allow(deprecated)]
 pub use idempotency::IdempotencyError;
 pub use idempotency::{IdempotencyConfig, Idempotent, IdempotentError, Mode, NoFinalErrors};

@@ -40,6 +40,9 @@
 //! | version | name | creates |
 //! |---|---|---|
 //! | 1 | `version_guard` | the trigger function `idem_version_guard()` (no table), see [`backstop`](crate::versioned::backstop) |
+//! | 2 | `idem_requests` | the table of idempotency records, see [`idempotency`](crate::idempotency) |
+//! | 3 | `idem_requests_owner` | the column `owner`: an external claim's token |
+//! | 4 | `idem_requests_scope_label` | the column `scope_label`: a short scope's readable form (`scope` becomes a hash) |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -133,6 +136,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 3,
         name: "idem_requests_owner",
         sql: include_str!("../migrations/0003_idem_requests_owner.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "idem_requests_scope_label",
+        sql: include_str!("../migrations/0004_idem_requests_scope_label.sql"),
     },
 ];
 

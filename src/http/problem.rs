@@ -44,6 +44,8 @@ pub mod problem_type {
     pub const COMMIT_OUTCOME_UNKNOWN: &str = "urn:idem:problem:commit-outcome-unknown";
     /// 503: no database connection was free in time; nothing was done.
     pub const UNAVAILABLE: &str = "urn:idem:problem:unavailable";
+    /// 422: the response could not be stored under the key; nothing was done.
+    pub const RESPONSE_UNSTORABLE: &str = "urn:idem:problem:response-unstorable";
     /// 428: the endpoint requires an `If-Match` header and none was sent.
     pub const PRECONDITION_REQUIRED: &str = "urn:idem:problem:precondition-required";
     /// 400: the `If-Match` header is malformed or names two versions.
@@ -369,6 +371,15 @@ impl From<&Error> for Problem {
                 "no database connection could be had in time; nothing was done, retry later",
             )
             .retry_after(1),
+            Error::Unstorable(why) => Problem::new(
+                status_of(e),
+                problem_type::RESPONSE_UNSTORABLE,
+                "Response cannot be stored",
+                format!(
+                    "the response to this request cannot be stored for replay under its \
+                     Idempotency-Key ({why}); nothing was done and the key is still free"
+                ),
+            ),
             other => Problem::internal(other),
         }
     }

@@ -85,11 +85,13 @@ async fn derived_keys_replay_the_same_call_in_any_spelling() {
         idem::idempotency::Field::new("a", &5).unwrap(),
     ];
     let fp = idem::idempotency::fingerprint::fingerprint(&fields);
-    let key = idem::idempotency::derived_key("\"alice\"", "tool.write", &fp);
+    let scope = idem::idempotency::scope_hash(&"alice").unwrap();
+    let key = idem::idempotency::derived_key(&scope, "tool.write", &fp);
     assert_eq!(key.len(), 64);
     assert_eq!(
         env.scalar(&format!(
-            "SELECT count(*) FROM idem_requests WHERE key = '{key}' AND scope = '\"alice\"'"
+            "SELECT count(*) FROM idem_requests WHERE key = '{key}' AND scope = '{scope}' \
+             AND scope_label = '\"alice\"'"
         ))
         .await,
         1

@@ -75,14 +75,14 @@ impl Target {
     }
 }
 
-#[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external)]
+#[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external, scope = none)]
 #[retryable(max = 3, deadline_ms = 30000)]
 async fn send(db: &mut Deferred<'_>, cmd: &SendCmd, target: &Target) -> Result<String, AppError> {
     target.call(db, cmd).await
 }
 
 /// The same operation; a duplicate waits for the first request's outcome.
-#[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external, wait_ms = 20000)]
+#[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external, wait_ms = 20000, scope = none)]
 async fn send_waiting(
     db: &mut Deferred<'_>,
     cmd: &SendCmd,
@@ -92,7 +92,7 @@ async fn send_waiting(
 }
 
 /// The same operation with a lease shorter than the call.
-#[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external, lease_ms = 300)]
+#[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external, lease_ms = 300, scope = none)]
 async fn send_leased(
     db: &mut Deferred<'_>,
     cmd: &SendCmd,

@@ -226,7 +226,10 @@ async fn a_different_request_under_the_same_key_is_refused_and_scopes_are_separa
     assert_eq!(t2_again.value, t2.value);
     let scopes: Vec<String> = env
         .client
-        .query("SELECT scope FROM idem_requests ORDER BY scope", &[])
+        .query(
+            "SELECT scope_label FROM idem_requests ORDER BY scope_label",
+            &[],
+        )
         .await
         .unwrap()
         .iter()

@@ -22,6 +22,7 @@ use tokio::sync::{Barrier, Semaphore};
 
 mod derived_keys;
 mod external;
+mod hostile;
 mod local;
 mod retention;
 mod stacking;
@@ -34,7 +35,13 @@ mod stored;
 /// A final error: stored under the key and replayed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 enum Declined {
-    InsufficientFunds { needed: i64 },
+    InsufficientFunds {
+        needed: i64,
+    },
+    /// Echoes the caller's input, as validation errors often do.
+    Rejected {
+        input: serde_json::Value,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

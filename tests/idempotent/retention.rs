@@ -6,7 +6,7 @@ use super::*;
 // Retention and purge
 // ---------------------------------------------------------------------------
 
-#[idempotent(key = key, fingerprint(n), ttl_s = 1)]
+#[idempotent(key = key, fingerprint(n), ttl_s = 1, scope = none)]
 async fn short_lived(
     conn: &mut AsyncPgConnection,
     key: &str,

@@ -6,7 +6,7 @@ use super::*;
 // Stacking with #[retryable], in both orders
 // ---------------------------------------------------------------------------
 
-#[idempotent(key = key, fingerprint(n))]
+#[idempotent(key = key, fingerprint(n), scope = none)]
 #[retryable(max = 5, deadline_ms = 30000, backoff_base_ms = 1, backoff_cap_ms = 10)]
 async fn idempotent_over_retryable(
     conn: &mut AsyncPgConnection,
@@ -20,7 +20,7 @@ async fn idempotent_over_retryable(
 }
 
 #[retryable(max = 5, deadline_ms = 30000, backoff_base_ms = 1, backoff_cap_ms = 10)]
-#[idempotent(key = key, fingerprint(n))]
+#[idempotent(key = key, fingerprint(n), scope = none)]
 async fn retryable_over_idempotent(
     conn: &mut AsyncPgConnection,
     key: &str,

@@ -6,7 +6,7 @@ use super::*;
 // Errors: final ones are stored, the others let a retry run
 // ---------------------------------------------------------------------------
 
-#[idempotent(key = key, fingerprint(n))]
+#[idempotent(key = key, fingerprint(n), scope = none)]
 async fn charge(
     conn: &mut AsyncPgConnection,
     key: &str,
@@ -92,7 +92,7 @@ struct Written {
     n: i64,
 }
 
-#[idempotent(key = key, fingerprint(order))]
+#[idempotent(key = key, fingerprint(order), scope = none)]
 async fn compound(
     conn: &mut AsyncPgConnection,
     key: &str,
@@ -140,7 +140,7 @@ async fn a_compound_result_is_replayed_whole() {
 // The stored response is bounded
 // ---------------------------------------------------------------------------
 
-#[idempotent(key = key, fingerprint(len), max_response_bytes = 100)]
+#[idempotent(key = key, fingerprint(len), max_response_bytes = 100, scope = none)]
 async fn sized(conn: &mut AsyncPgConnection, key: &str, len: usize) -> Result<String, AppError> {
     insert_effect(conn, "sized", len as i64).await?;
     Ok("x".repeat(len))
@@ -152,8 +152,11 @@ async fn an_oversized_response_commits_nothing() {
     // 99 characters are 101 bytes of JSON.
     let result = sized(&env.pool, "big", 99).await;
     match &result {
-        Err(AppError::Idem(idem::Error::ResponseTooLarge { size, limit })) => {
-            assert_eq!((*size, *limit), (101, 100))
+        Err(AppError::Idem(
+            e @ idem::Error::Unstorable(idem::Unstorable::TooLarge { size, limit }),
+        )) => {
+            assert_eq!((*size, *limit), (101, 100));
+            assert_eq!(e.http_status(), 422);
         }
         other => panic!("expected a response too large, got {other:?}"),
     }
@@ -176,12 +179,12 @@ struct OptCmd {
     n: i64,
 }
 
-#[idempotent(key = cmd.key, fingerprint(cmd.n))]
+#[idempotent(key = cmd.key, fingerprint(cmd.n), scope = none)]
 async fn optional_key(conn: &mut AsyncPgConnection, cmd: &OptCmd) -> Result<i64, AppError> {
     insert_effect(conn, "optional", cmd.n).await
 }
 
-#[idempotent(key = key, fingerprint(grid))]
+#[idempotent(key = key, fingerprint(grid), scope = none)]
 async fn with_grid(
     conn: &mut AsyncPgConnection,
     key: &str,

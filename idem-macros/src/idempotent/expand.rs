@@ -5,7 +5,7 @@
 use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
 
-use super::parse::{Idempotent, ModeArg};
+use super::parse::{Idempotent, ModeArg, ScopeArg};
 use crate::retryable::expand::{
     attempt_run, attempt_run_with, function_name, policy, pool_signature, return_type,
 };
@@ -57,7 +57,11 @@ fn names_in(tokens: TokenStream, out: &mut Vec<String>) {
 /// parameters the attribute reads as used.
 pub(crate) fn mark_attribute_uses(shape: &mut Retryable, parsed: &Idempotent) {
     let mut names = Vec::new();
-    let exprs = [&parsed.key, &parsed.scope, &parsed.config];
+    let scope = match &parsed.scope {
+        Some(ScopeArg::Values(expr)) => Some(expr),
+        _ => None,
+    };
+    let exprs = [parsed.key.as_ref(), scope, parsed.config.as_ref()];
     for expr in exprs.into_iter().flatten() {
         names_in(expr.to_token_stream(), &mut names);
     }
@@ -129,12 +133,12 @@ pub(crate) fn idempotent(
     let scope = match &parsed.scope {
         // A tuple of borrowed fields (`(ctx.user, ctx.conversation)`) is
         // serialized from references, so it needs no Copy or Clone.
-        Some(syn::Expr::Tuple(tuple)) => {
+        Some(ScopeArg::Values(syn::Expr::Tuple(tuple))) => {
             let elems = tuple.elems.iter();
             quote!(&(#(&(#elems),)*))
         }
-        Some(expr) => quote!(&(#expr)),
-        None => quote!(&()),
+        Some(ScopeArg::Values(expr)) => quote!(&(#expr)),
+        Some(ScopeArg::None) | None => quote!(&()),
     };
     let fields: Vec<TokenStream> = match &parsed.fingerprint {
         Some(fields) => fields

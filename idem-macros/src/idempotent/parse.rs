@@ -30,6 +30,14 @@ pub(crate) struct FingerprintField {
     pub(crate) expr: Expr,
 }
 
+/// `scope = ..`: whose keys these are.
+pub(crate) enum ScopeArg {
+    /// `scope = none`: one key space for every caller, said out loud.
+    None,
+    /// The scope's values, e.g. `(ctx.tenant, ctx.user)`.
+    Values(Expr),
+}
+
 pub(crate) enum ModeArg {
     Local,
     External,
@@ -37,7 +45,8 @@ pub(crate) enum ModeArg {
 
 pub(crate) struct Idempotent {
     pub(crate) key: Option<Expr>,
-    pub(crate) scope: Option<Expr>,
+    /// Required: `None` only while parsing.
+    pub(crate) scope: Option<ScopeArg>,
     /// `None`: every parameter but the connection.
     pub(crate) fingerprint: Option<Vec<FingerprintField>>,
     pub(crate) operation: Option<LitStr>,
@@ -213,7 +222,13 @@ impl Idempotent {
                     out.fingerprint = Some(fields);
                 }
                 "key" => out.key = Some(meta.value()?.parse()?),
-                "scope" => out.scope = Some(meta.value()?.parse()?),
+                "scope" => {
+                    let value: Expr = meta.value()?.parse()?;
+                    out.scope = Some(match &value {
+                        Expr::Path(p) if p.path.is_ident("none") => ScopeArg::None,
+                        _ => ScopeArg::Values(value),
+                    });
+                }
                 "config" => out.config = Some(meta.value()?.parse()?),
                 "operation" => out.operation = Some(meta.value()?.parse()?),
                 "mode" => {
@@ -274,6 +289,17 @@ impl Idempotent {
         });
         if let Err(err) = parser.parse2(args) {
             errors.push(err);
+        }
+        if out.scope.is_none() {
+            // At the attribute: the key space is a decision, never a default
+            // (a replay skips the body and any authorization in it).
+            errors.push(syn::Error::new(
+                proc_macro2::Span::call_site(),
+                "#[idempotent(..)] must name whose keys these are: add `scope = <values>` with the \
+                 principal in it (e.g. `scope = (ctx.tenant, ctx.user)`), or `scope = none` for one \
+                 key space shared by every caller. A replay returns the stored response without \
+                 running the body, so a scope without the principal lets one caller read another's result",
+            ));
         }
         if let Some(ty) = not_a_result(&func.sig.output) {
             errors.push_at(

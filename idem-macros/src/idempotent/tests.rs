@@ -62,6 +62,7 @@ fn a_broken_attribute_reports_every_mistake_and_keeps_the_fn() {
     let out = idempotent(
         quote!(
             key = cmd.key,
+            scope = none,
             fingerprint(conn, amount, cmd.amount),
             mode = sometimes,
             ttl = 60,
@@ -92,4 +93,23 @@ fn a_broken_attribute_reports_every_mistake_and_keeps_the_fn() {
     assert_eq!(func.sig.ident, "pay");
     let attrs: Vec<String> = func.attrs.iter().map(|a| quote!(#a).to_string()).collect();
     assert_eq!(attrs, ["# [retryable (max = 0)]"]);
+}
+
+#[test]
+fn the_scope_is_required_and_none_is_said_out_loud() {
+    let func = quote! {
+        async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
+            Ok(cmd.amount)
+        }
+    };
+    let (errors, fns) = errors_and_fns(idempotent(quote!(key = cmd.key), func.clone()));
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].contains("`scope = <values>`") && errors[0].contains("`scope = none`"),
+        "{errors:?}"
+    );
+    assert_eq!(fns.len(), 1, "the fn is kept, so its uses do not cascade");
+    // `none` is one key space: the empty scope `()`.
+    let out = pretty(idempotent(quote!(key = cmd.key, scope = none), func));
+    assert!(out.contains("&()"), "{out}");
 }

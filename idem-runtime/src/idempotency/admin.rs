@@ -5,7 +5,7 @@ use diesel::sql_types::{BigInt, Binary, Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
-use super::request::scope_text;
+use super::request::{storable, Scope};
 use super::store;
 use crate::error::Error;
 use crate::pool::Pool;
@@ -82,7 +82,12 @@ pub async fn settle<S: Serialize + ?Sized>(
     key: &str,
     settlement: Settlement,
 ) -> Result<bool, Error> {
-    let scope = scope_text(scope)?;
+    let scope = Scope::of(scope)?.hash;
+    if let Settlement::Completed(response) = &settlement {
+        // Stored, it must read back like any response; its size is the
+        // operator's call.
+        storable(response, usize::MAX).map_err(Error::Unstorable)?;
+    }
     let mut conn = pool.get().await?;
     let n = match settlement {
         Settlement::Completed(response) => {

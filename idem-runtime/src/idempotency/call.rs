@@ -186,11 +186,19 @@ impl<E> Call<E> {
                 Ok(Step::Commit(Reply::Fresh(value)))
             }
             Err(err) => match err.to_final() {
-                Some(stored) => {
-                    let stored = self.request.response(&stored).map_err(E::from)?;
-                    self.pending_final = Some((err, stored));
-                    Ok(Step::Again(Duration::ZERO))
-                }
+                Some(stored) => match self.request.response(&stored) {
+                    Ok(stored) => {
+                        self.pending_final = Some((err, stored));
+                        Ok(Step::Again(Duration::ZERO))
+                    }
+                    // The decline is still the answer; only its replay is
+                    // lost. Refusing it (as a response is refused) would turn
+                    // a legitimate 4xx into an error of idem's.
+                    Err(why) => {
+                        tracing::warn!(key = %self.request.key(), error = %why, "a final error cannot be stored under its key: returned unrecorded, and the key stays free");
+                        Err(err)
+                    }
+                },
                 None => Err(err),
             },
         }

@@ -129,6 +129,13 @@ impl Default for IdempotencyConfig {
     }
 }
 
+/// The deepest nesting of arrays and objects a stored response (or final
+/// error) may have. Deeper, it is refused with
+/// [`Unstorable::TooDeep`](crate::Unstorable::TooDeep) before anything is
+/// written: serde_json reads at most 128 levels back, and a record that
+/// cannot be read would answer every retry of its key with an error.
+pub const MAX_STORED_DEPTH: usize = 64;
+
 /// The message every caller of a key with an unknown outcome gets.
 pub const OUTCOME_UNKNOWN_MESSAGE: &str =
     "the request may have reached the target system; its outcome is decided there; not retried";
@@ -292,8 +299,24 @@ fn is_invisible(c: char) -> bool {
     )
 }
 
+/// The stored form of a scope (the `scope` column of `idem_requests`): the
+/// hex SHA-256 of its canonical encoding, under the fingerprint's rules, so
+/// map order does not matter and any size fits. For operators and tests that
+/// look a record up by hand.
+///
+/// ```
+/// let a = idem_runtime::idempotency::scope_hash(&(7_i64, "alice")).unwrap();
+/// assert_eq!(a.len(), 64);
+/// assert_ne!(a, idem_runtime::idempotency::scope_hash(&(7_i64, "bob")).unwrap());
+/// ```
+pub fn scope_hash<S: Serialize + ?Sized>(scope: &S) -> Result<String, Error> {
+    request::Scope::of(scope).map(|scope| scope.hash)
+}
+
 /// The key derived when the caller gives none (seed 001: who : conversation :
-/// tool : sorted parameters): hex SHA-256 of `scope : operation : fingerprint`.
+/// tool : sorted parameters): hex SHA-256 of `scope : operation : fingerprint`,
+/// where `scope` is the stored scope (the hex SHA-256 of its canonical
+/// encoding, [`Request::scope`]) and `fingerprint` is hex.
 pub fn derived_key(scope: &str, operation: &str, fingerprint: &[u8; 32]) -> String {
     let mut hasher = Sha256::new();
     hasher.update(scope.as_bytes());

@@ -11,15 +11,17 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use super::store::{self, Claim, ClaimOrRead, Read};
-use super::{derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode};
-use crate::error::Error;
+use super::{
+    derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode, MAX_STORED_DEPTH,
+};
+use crate::error::{Error, Unstorable};
 
 /// One idempotent request, validated.
 #[derive(Debug, Clone)]
 #[doc(hidden)]
 pub struct Request {
     pub(crate) config: IdempotencyConfig,
-    scope: String,
+    scope: Scope,
     key: String,
     operation: String,
     fingerprint: [u8; 32],
@@ -71,7 +73,7 @@ impl Request {
         scope: &impl Serialize,
         fields: &[Field],
     ) -> Result<Request, Error> {
-        let scope = scope_text(scope)?;
+        let scope = Scope::of(scope)?;
         let fingerprint = fingerprint::fingerprint(fields);
         let key = match key {
             Some(Some(key)) => {
@@ -79,7 +81,7 @@ impl Request {
                 key.to_owned()
             }
             Some(None) => return Err(Error::MissingKey),
-            None => derived_key(&scope, operation, &fingerprint),
+            None => derived_key(&scope.hash, operation, &fingerprint),
         };
         Ok(Request {
             config,
@@ -96,9 +98,9 @@ impl Request {
         &self.key
     }
 
-    /// The scope, as stored (compact JSON of the scope values).
+    /// The scope, as stored: the hex SHA-256 of its canonical encoding.
     pub fn scope(&self) -> &str {
-        &self.scope
+        &self.scope.hash
     }
 
     /// The settings.
@@ -117,7 +119,8 @@ impl Request {
 
     fn claim_statement(&self) -> Claim<'_> {
         Claim {
-            scope: &self.scope,
+            scope: &self.scope.hash,
+            scope_label: self.scope.label.as_deref(),
             key: &self.key,
             operation: &self.operation,
             fingerprint: &self.fingerprint,
@@ -148,7 +151,7 @@ impl Request {
         }
         // The read came too early to see the record the claim met.
         let stored = Read {
-            scope: &self.scope,
+            scope: &self.scope.hash,
             key: &self.key,
         }
         .get_result::<Stored>(conn)
@@ -179,22 +182,61 @@ impl Request {
         }
     }
 
-    /// The stored form of a response or final error, within the size limit.
+    /// The stored form of a response or final error: refused, before
+    /// anything is written, when PostgreSQL could not store it or idem could
+    /// not read it back (see [`Unstorable`]).
     pub(crate) fn response(&self, value: &impl Serialize) -> Result<serde_json::Value, Error> {
         let response = serde_json::to_value(value).map_err(|source| Error::Unserializable {
             what: "the response".to_owned(),
             source,
         })?;
-        let size = serde_json::to_vec(&response)
-            .map(|v| v.len())
-            .unwrap_or(usize::MAX);
-        if size > self.config.max_response_bytes {
-            return Err(Error::ResponseTooLarge {
-                size,
-                limit: self.config.max_response_bytes,
-            });
+        storable(&response, self.config.max_response_bytes)
+            .map_err(Error::Unstorable)
+            .map(|()| response)
+    }
+}
+
+/// Whether `value` can be stored in `jsonb` and read back: no U+0000 (jsonb
+/// refuses it), nesting within [`MAX_STORED_DEPTH`] (deeper, serde_json's
+/// reader would refuse the stored row on every replay), and at most `limit`
+/// bytes of JSON.
+pub(crate) fn storable(value: &serde_json::Value, limit: usize) -> Result<(), Unstorable> {
+    // Depth and NUL first: both are found without writing the JSON out.
+    check_tree(value, 0)?;
+    let size = serde_json::to_vec(value).map_or(usize::MAX, |v| v.len());
+    if size > limit {
+        return Err(Unstorable::TooLarge { size, limit });
+    }
+    Ok(())
+}
+
+fn check_tree(value: &serde_json::Value, depth: usize) -> Result<(), Unstorable> {
+    use serde_json::Value;
+    let nested = |depth: usize| {
+        if depth >= MAX_STORED_DEPTH {
+            Err(Unstorable::TooDeep {
+                limit: MAX_STORED_DEPTH,
+            })
+        } else {
+            Ok(depth + 1)
         }
-        Ok(response)
+    };
+    match value {
+        Value::String(s) if s.contains('\0') => Err(Unstorable::NulCharacter),
+        Value::Array(items) => {
+            let depth = nested(depth)?;
+            items.iter().try_for_each(|item| check_tree(item, depth))
+        }
+        Value::Object(map) => {
+            let depth = nested(depth)?;
+            map.iter().try_for_each(|(key, item)| {
+                if key.contains('\0') {
+                    return Err(Unstorable::NulCharacter);
+                }
+                check_tree(item, depth)
+            })
+        }
+        _ => Ok(()),
     }
 }
 
@@ -232,13 +274,38 @@ impl ClaimedOrSeen {
     }
 }
 
-/// The scope as stored: the compact JSON of its values. Requests and
-/// [`settle`](super::settle) encode it here, so they name the same key space.
-pub(crate) fn scope_text<S: Serialize + ?Sized>(scope: &S) -> Result<String, Error> {
-    serde_json::to_string(scope).map_err(|source| Error::Unserializable {
-        what: "the scope".to_owned(),
-        source,
-    })
+/// A key space as stored. The hash names it: the SHA-256 of the scope's
+/// canonical encoding (the fingerprint's rules, so one logical scope is one
+/// key space whatever its map order, and any size fits the primary key).
+/// The label is for people reading the table: the scope's compact JSON when
+/// it is short, else none.
+#[derive(Debug, Clone)]
+pub(crate) struct Scope {
+    pub(crate) hash: String,
+    pub(crate) label: Option<String>,
+}
+
+/// Longest label kept beside a scope's hash, in bytes.
+const SCOPE_LABEL_MAX: usize = 200;
+
+impl Scope {
+    /// Requests and [`settle`](super::settle) both encode a scope here, so
+    /// they name the same key space.
+    pub(crate) fn of<S: Serialize + ?Sized>(scope: &S) -> Result<Scope, Error> {
+        let value = serde_json::to_value(scope).map_err(|source| Error::Unserializable {
+            what: "the scope".to_owned(),
+            source,
+        })?;
+        let canonical = fingerprint::canonical_value(&value);
+        let mut hasher = Sha256::new();
+        hasher.update(b"idem-scope-v1");
+        hasher.update(&canonical);
+        let hash = fingerprint::hex(&hasher.finalize());
+        let label = serde_json::to_string(scope)
+            .ok()
+            .filter(|label| label.len() <= SCOPE_LABEL_MAX);
+        Ok(Scope { hash, label })
+    }
 }
 
 pub(crate) fn micros(d: Duration) -> i64 {

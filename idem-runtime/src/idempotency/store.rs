@@ -14,6 +14,7 @@ diesel::table! {
     /// One row per (scope, key): see the `idem_requests` migration for every column.
     idem_requests (scope, key) {
         scope -> Text,
+        scope_label -> Nullable<Text>,
         key -> Text,
         operation -> Text,
         fingerprint -> Bytea,
@@ -43,6 +44,8 @@ pub(crate) const ERROR: &str = "error";
 /// against an expired record.
 pub(crate) struct Claim<'a> {
     pub(crate) scope: &'a str,
+    /// The scope's readable form, when short (for people, never compared).
+    pub(crate) scope_label: Option<&'a str>,
     pub(crate) key: &'a str,
     pub(crate) operation: &'a str,
     pub(crate) fingerprint: &'a [u8],
@@ -60,9 +63,11 @@ impl Claim<'_> {
     fn walk_insert<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
             "INSERT INTO idem_requests AS r \
-             (scope, key, operation, fingerprint, mode, state, owner, expires_at, lease_until) SELECT ",
+             (scope, scope_label, key, operation, fingerprint, mode, state, owner, expires_at, lease_until) SELECT ",
         );
         out.push_bind_param::<Text, _>(self.scope)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Nullable<Text>, _>(&self.scope_label)?;
         out.push_sql(", ");
         out.push_bind_param::<Text, _>(self.key)?;
         out.push_sql(", ");
@@ -82,7 +87,7 @@ impl Claim<'_> {
              (l.state <> 'completed' OR NOT l.expired))",
         );
         out.push_sql(
-            " ON CONFLICT (scope, key) DO UPDATE SET operation = excluded.operation, \
+            " ON CONFLICT (scope, key) DO UPDATE SET scope_label = excluded.scope_label, operation = excluded.operation, \
              fingerprint = excluded.fingerprint, mode = excluded.mode, state = 'in_progress', \
              owner = excluded.owner, outcome = NULL, response = NULL, created_at = now(), updated_at = now(), \
              expires_at = excluded.expires_at, lease_until = excluded.lease_until \

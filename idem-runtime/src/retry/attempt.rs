@@ -134,7 +134,7 @@ impl Attempt {
 /// An external body takes it in place of the connection:
 ///
 /// ```ignore
-/// #[idempotent(key = cmd.key, mode = external)]
+/// #[idempotent(key = cmd.key, mode = external, scope = none)]
 /// async fn refund(db: &mut idem::Deferred<'_>, cmd: &RefundCmd) -> Result<Refund, AppError> {
 ///     let receipt = psp.refund(&cmd.order, &current_key().unwrap()).await?; // no transaction open
 ///     let conn = db.conn().await?;                                          // now one begins

@@ -9,7 +9,7 @@ pub struct PaymentCmd {
     pub currency: String,
 }
 
-#[idempotent(key = cmd.key, fingerprint(cmd.amount), mode = remote)]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount), mode = remote, scope = none)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)

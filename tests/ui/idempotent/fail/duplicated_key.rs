@@ -10,7 +10,7 @@ pub struct PaymentCmd {
 }
 
 // Which of the two keys would win?
-#[idempotent(key = cmd.key, fingerprint(cmd.amount), key = cmd.currency)]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount), key = cmd.currency, scope = none)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)

@@ -9,7 +9,7 @@ pub struct PaymentCmd {
     pub currency: String,
 }
 
-#[idempotent(key = cmd.key, fingerprint(cmd.amount), operation = "")]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount), operation = "", scope = none)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)

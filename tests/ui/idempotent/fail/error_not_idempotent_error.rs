@@ -19,7 +19,7 @@ pub struct PaymentCmd {
     pub amount: i64,
 }
 
-#[idempotent(key = cmd.key, fingerprint(cmd.amount))]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount), scope = none)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)

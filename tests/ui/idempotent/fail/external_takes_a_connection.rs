@@ -10,7 +10,7 @@ pub struct RefundCmd {
 
 // External mode runs the outside call with no transaction open: the body
 // takes the deferred handle, not a connection.
-#[idempotent(key = cmd.key, fingerprint(cmd.order), mode = external)]
+#[idempotent(key = cmd.key, fingerprint(cmd.order), mode = external, scope = none)]
 async fn refund(conn: &mut AsyncPgConnection, cmd: &RefundCmd) -> Result<String, AppError> {
     let _ = conn;
     Ok(cmd.order.clone())

@@ -10,7 +10,7 @@ pub struct PaymentCmd {
 }
 
 // The connection is no part of the request.
-#[idempotent(key = cmd.key, fingerprint(cmd.amount, conn))]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount, conn), scope = none)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)

@@ -10,7 +10,7 @@ pub struct PaymentCmd {
 }
 
 // `amount` is a field of `cmd`, not a parameter: the name must be spelt `cmd.amount`.
-#[idempotent(key = cmd.key, fingerprint(amount, cmd.currency))]
+#[idempotent(key = cmd.key, fingerprint(amount, cmd.currency), scope = none)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)

@@ -8,7 +8,7 @@ pub struct PaymentCmd {
 }
 
 // A local body runs in one transaction with its claim: it takes the connection.
-#[idempotent(key = cmd.key, fingerprint(cmd.amount))]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount), scope = none)]
 async fn pay(db: &mut Deferred<'_>, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = db;
     Ok(cmd.amount)

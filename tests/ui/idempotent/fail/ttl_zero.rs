@@ -10,7 +10,7 @@ pub struct PaymentCmd {
 }
 
 // A record that expires at once would replay nothing.
-#[idempotent(key = cmd.key, fingerprint(cmd.amount), ttl_s = 0)]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount), ttl_s = 0, scope = none)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)

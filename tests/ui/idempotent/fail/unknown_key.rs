@@ -10,7 +10,7 @@ pub struct PaymentCmd {
 }
 
 // A misspelt key must not be silently ignored.
-#[idempotent(key = cmd.key, fingerprint(cmd.amount), ttl = 60)]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount), ttl = 60, scope = none)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)

@@ -24,7 +24,7 @@ async fn tool(
 }
 
 // A fingerprint list without a key, and an explicit operation name.
-#[idempotent(operation = "tools.search", fingerprint(query, limit))]
+#[idempotent(operation = "tools.search", fingerprint(query, limit), scope = none)]
 async fn search(
     conn: &mut AsyncPgConnection,
     query: String,

@@ -12,7 +12,7 @@ pub struct PaymentCmd {
 }
 
 // The documented order: #[idempotent] outside, #[retryable] inside.
-#[idempotent(key = cmd.key, fingerprint(cmd.amount, cmd.currency))]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount, cmd.currency), scope = none)]
 #[retryable(max = 4, deadline_ms = 800)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;

@@ -14,7 +14,7 @@ pub struct PaymentCmd {
 // The other order means the same, and the imported `idempotent` counts as used
 // (regression: #[retryable] re-emitted it as `::idem::idempotent`).
 #[retryable(max = 4, deadline_ms = 800)]
-#[idempotent(key = cmd.key, fingerprint(cmd.amount, cmd.currency))]
+#[idempotent(key = cmd.key, fingerprint(cmd.amount, cmd.currency), scope = none)]
 async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
     let _ = conn;
     Ok(cmd.amount)
