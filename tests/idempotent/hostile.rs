@@ -176,3 +176,60 @@ async fn a_final_error_that_cannot_be_stored_is_answered_unrecorded() {
         ("completed", Some("error"))
     );
 }
+
+// ---------------------------------------------------------------------------
+// Fingerprints: values JSON would merge stay apart
+// ---------------------------------------------------------------------------
+
+/// One parameter whose variants serialize as their bare content, so only the
+/// fingerprint's encoding tells them apart.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum Arg {
+    Float(Option<f64>),
+    Unit(()),
+    IntKeys(std::collections::BTreeMap<i64, i64>),
+    StrKeys(std::collections::BTreeMap<String, i64>),
+}
+
+#[idempotent(key = key, scope = none, fingerprint(arg))]
+async fn with_arg(conn: &mut AsyncPgConnection, key: &str, arg: &Arg) -> Result<i64, AppError> {
+    insert_effect(conn, "arg", 1).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn values_that_json_merges_are_different_requests() {
+    let env = env(2).await;
+    let int_keys = Arg::IntKeys([(1, 5)].into_iter().collect());
+    let str_keys = Arg::StrKeys([("1".to_owned(), 5)].into_iter().collect());
+    let groups: [(&str, Vec<Arg>); 2] = [
+        (
+            "float",
+            vec![
+                Arg::Float(Some(f64::NAN)),
+                Arg::Float(None),
+                Arg::Float(Some(f64::INFINITY)),
+                Arg::Float(Some(f64::NEG_INFINITY)),
+                Arg::Unit(()),
+            ],
+        ),
+        ("map", vec![int_keys, str_keys]),
+    ];
+    for (key, args) in &groups {
+        let (first, others) = args.split_first().unwrap();
+        assert!(!with_arg(&env.pool, key, first).await.unwrap().replayed);
+        for other in others {
+            let result = with_arg(&env.pool, key, other).await;
+            assert!(
+                matches!(
+                    result,
+                    Err(AppError::Idem(idem::Error::FingerprintMismatch))
+                ),
+                "{first:?} and {other:?} must be different requests: {result:?}"
+            );
+        }
+        // The same value again is the same request (one NaN).
+        assert!(with_arg(&env.pool, key, first).await.unwrap().replayed);
+    }
+    assert_eq!(env.effects("arg").await, 2);
+}

@@ -292,11 +292,7 @@ impl Scope {
     /// Requests and [`settle`](super::settle) both encode a scope here, so
     /// they name the same key space.
     pub(crate) fn of<S: Serialize + ?Sized>(scope: &S) -> Result<Scope, Error> {
-        let value = serde_json::to_value(scope).map_err(|source| Error::Unserializable {
-            what: "the scope".to_owned(),
-            source,
-        })?;
-        let canonical = fingerprint::canonical_value(&value);
+        let canonical = fingerprint::encode_as(scope, || "the scope".to_owned())?;
         let mut hasher = Sha256::new();
         hasher.update(b"idem-scope-v1");
         hasher.update(&canonical);
