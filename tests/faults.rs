@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize};
 
 /// A simple query that is exactly `COMMIT` (not `READ COMMITTED`).
 const COMMIT: &str = "COMMIT\0";
-/// The statement that completes an idempotency record, as prepared.
-const RECORD: &str = "UPDATE idem_requests SET state = 'completed'";
+/// The statement that writes a local request's completed record, as prepared.
+const RECORD: &str = "INSERT INTO idem_requests AS r (scope, scope_label, key, operation";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 enum Declined {

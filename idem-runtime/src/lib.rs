@@ -36,7 +36,7 @@ pub mod __private {
 
     /// Asks the compiler whether `V` can hold a version.
     pub fn assert_version_type<V: VersionValue>() {}
-    pub use crate::idempotency::{under_key, Call, Field, KeyInput, Request};
+    pub use crate::idempotency::{lock_key, under_key, Call, Field, KeyInput, Request};
     pub use crate::retry::{commit, RetryLoop, Step};
 
     /// A by-value argument handed to each attempt again.

@@ -24,6 +24,7 @@ mod derived_keys;
 mod external;
 mod hostile;
 mod local;
+mod one_write;
 mod retention;
 mod stacking;
 mod stored;

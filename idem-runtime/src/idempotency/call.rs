@@ -3,10 +3,12 @@
 //! the body's result, [`Call::end`] with the loop's. Each returns a typed
 //! [`Step`] or answer; nothing is signalled through fake errors.
 //!
-//! * local mode: the claim, the body and the record share the attempt's
-//!   transaction. A replay answers from the claim's read and ends its
+//! * local mode: the attempt's transaction first queues on the advisory lock
+//!   of (scope, key) and reads the record (one round trip, pipelined); a new
+//!   request runs the body and inserts its completed record just before
+//!   COMMIT, its one write. A replay answers from the read and ends its
 //!   transaction in the background. A final error rolls the attempt back and
-//!   the next attempt stores it under the claim, without the body's writes.
+//!   the next attempt stores it, without the body's writes.
 //! * external mode: the first attempt commits the claim, with this call's
 //!   owner token; the next ones run the body and record its outcome in the
 //!   body's transaction. A claim whose commit went unanswered is found again
@@ -113,15 +115,28 @@ impl<E> Call<E> {
             return None;
         }
         let conn = attempt.conn();
-        if let Some((_, stored)) = &self.pending_final {
-            // External: the claim is this call's; local: claim it again.
-            if !external {
-                match self.request.claim(conn).await {
-                    Ok(Claimed::Owned) => {}
-                    Ok(Claimed::Found(found)) => return Some(self.found(found)),
-                    Err(e) => return Some(Err(db(e))),
-                }
+        if !external {
+            // Local: queue behind a duplicate in flight, then read.
+            match self.request.lock_and_read(conn).await {
+                Ok(Found::New) => {}
+                Ok(found) => return Some(self.found(found)),
+                Err(e) => return Some(Err(db(e))),
             }
+            return match &self.pending_final {
+                // The final error, stored without the body's writes.
+                Some((_, stored)) => Some(
+                    self.complete(conn, store::ERROR, stored)
+                        .await
+                        .map(|step| answer(step, Reply::FinalStored)),
+                ),
+                None => {
+                    self.body_ran = true;
+                    None
+                }
+            };
+        }
+        if let Some((_, stored)) = &self.pending_final {
+            // External: the claim is this call's.
             return Some(
                 self.record(conn, store::ERROR, stored)
                     .await
@@ -129,13 +144,9 @@ impl<E> Call<E> {
             );
         }
         match self.request.claim(conn).await {
-            Ok(Claimed::Owned) if external => {
+            Ok(Claimed::Owned) => {
                 self.claimed = true;
                 Some(Ok(Step::CommitAndContinue))
-            }
-            Ok(Claimed::Owned) => {
-                self.body_ran = true;
-                None
             }
             // External: this call's own claim, whose commit went unanswered.
             Ok(Claimed::Found(Found::Mine)) => {
@@ -182,8 +193,12 @@ impl<E> Call<E> {
                 // External phase 3: the outcome's transaction, begun now if
                 // the body wrote nothing of its own.
                 let conn = attempt.open().await.map_err(E::from)?;
-                self.record(conn, store::OK, &response).await?;
-                Ok(Step::Commit(Reply::Fresh(value)))
+                if self.request.external() {
+                    self.record(conn, store::OK, &response).await?;
+                    return Ok(Step::Commit(Reply::Fresh(value)));
+                }
+                let step = self.complete(conn, store::OK, &response).await?;
+                Ok(answer(step, Reply::Fresh(value)))
             }
             Err(err) => match err.to_final() {
                 Some(stored) => match self.request.response(&stored) {
@@ -201,6 +216,26 @@ impl<E> Call<E> {
                 },
                 None => Err(err),
             },
+        }
+    }
+
+    /// Local mode: the one write of a new request. A record that appeared
+    /// meanwhile (an external claim of the same key, or, under a snapshot
+    /// isolation, a duplicate's) sends the attempt round again, with its
+    /// writes rolled back, to read it.
+    async fn complete(
+        &self,
+        conn: &mut AsyncPgConnection,
+        outcome: &str,
+        response: &serde_json::Value,
+    ) -> Result<Step<()>, E>
+    where
+        E: IdempotentError,
+    {
+        match self.request.complete(conn, outcome, response).await {
+            Ok(true) => Ok(Step::Commit(())),
+            Ok(false) => Ok(Step::Again(Duration::ZERO)),
+            Err(e) => Err(db(e)),
         }
     }
 
@@ -329,6 +364,16 @@ async fn settle_claim(
     match tokio::time::timeout(timeout, work).await {
         Ok(result) => result,
         Err(_) => Err(format!("no answer within {timeout:?}")),
+    }
+}
+
+/// `step`, answering `value` where it answers at all.
+fn answer<V>(step: Step<()>, value: V) -> Step<V> {
+    match step {
+        Step::Commit(()) => Step::Commit(value),
+        Step::Answer(()) => Step::Answer(value),
+        Step::CommitAndContinue => Step::CommitAndContinue,
+        Step::Again(delay) => Step::Again(delay),
     }
 }
 

@@ -1,15 +1,21 @@
 //! A request that arrives twice has its effect once.
 //!
-//! The claim is taken **before** acting, and the primary key of
+//! Duplicates are stopped **before** acting, and the primary key of
 //! `idem_requests (scope, key)` is the arbiter: never "check, then act".
 //!
-//! * **local mode** (every effect is in this database): claim, body and stored
-//!   response commit in one transaction. A concurrent duplicate blocks on the
-//!   uncommitted claim and, once the winner commits, replays the winner's
-//!   record. A body that fails rolls everything back, claim included, so a
-//!   retry really runs again; a *final* error (declined, insufficient funds) is
-//!   stored instead: its attempt is rolled back and the next attempt of the
-//!   same loop claims the key again and stores the error, without the body.
+//! * **local mode** (every effect is in this database): body and stored
+//!   response commit in one transaction, and the record is written once, as
+//!   a completed row, just before `COMMIT`. Duplicates are serialized by a
+//!   transaction-level advisory lock on a 64-bit hash of (scope, key), taken
+//!   before the record is read: a concurrent duplicate waits for the winner
+//!   and, once it committed, reads and replays its record (READ COMMITTED:
+//!   the read is a later statement; under REPEATABLE READ or SERIALIZABLE the
+//!   record is invisible to the snapshot, so the insert fails with a
+//!   serialization failure and the replayed attempt reads it). Two keys whose
+//!   hashes collide only wait for each other. A body that fails writes
+//!   nothing, so a retry really runs again; a *final* error (declined,
+//!   insufficient funds) is stored instead: its attempt is rolled back and
+//!   the next attempt of the same loop stores the error, without the body.
 //! * **external mode** (the body calls something outside the database), in
 //!   three phases: the claim commits first, in progress, with a lease and the
 //!   call's owner token; the body's outside call runs with no transaction
@@ -45,7 +51,7 @@ use sha2::{Digest, Sha256};
 pub use admin::{purge_expired, settle, PurgeReport, Settlement};
 pub use call::{Call, Reply};
 pub use fingerprint::Field;
-pub use request::Request;
+pub use request::{lock_key, Request};
 
 /// Where the effects of an idempotent function live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

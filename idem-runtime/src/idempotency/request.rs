@@ -10,7 +10,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::store::{self, Claim, ClaimOrRead, Read};
+use super::store::{self, Claim, ClaimOrRead, Complete, Lock, Read};
 use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode, MAX_STORED_DEPTH,
 };
@@ -160,6 +160,56 @@ impl Request {
         Ok(Claimed::Found(stored.map_or(Found::New, |s| self.judge(s))))
     }
 
+    /// Local mode: queue behind any duplicate in flight (the advisory lock
+    /// of this scope and key, held to the end of the transaction), then read
+    /// the record. The two statements go out together (pipelined: one round
+    /// trip); the read, a later statement, sees a record the duplicate
+    /// committed while this one waited (READ COMMITTED; under a snapshot
+    /// isolation [`Complete`] finds it instead).
+    pub(crate) async fn lock_and_read(&self, conn: &mut AsyncPgConnection) -> QueryResult<Found> {
+        let conn: &AsyncPgConnection = conn;
+        let lock = Lock {
+            key: self.lock_key(),
+        }
+        .execute(&mut &*conn);
+        let read = Read {
+            scope: &self.scope.hash,
+            key: &self.key,
+        }
+        .get_result::<Stored>(&mut &*conn);
+        let (_, stored) = tokio::try_join!(lock, async { read.await.optional() })?;
+        Ok(stored.map_or(Found::New, |s| self.judge(s)))
+    }
+
+    /// Local mode: write the completed record (the request's one write).
+    /// False: a record appeared that this request must read first.
+    pub(crate) async fn complete(
+        &self,
+        conn: &mut AsyncPgConnection,
+        outcome: &str,
+        response: &serde_json::Value,
+    ) -> QueryResult<bool> {
+        let written = Complete {
+            scope: &self.scope.hash,
+            scope_label: self.scope.label.as_deref(),
+            key: &self.key,
+            operation: &self.operation,
+            fingerprint: &self.fingerprint,
+            outcome,
+            response,
+            ttl_micros: micros(self.config.ttl),
+        }
+        .execute(conn)
+        .await?;
+        Ok(written == 1)
+    }
+
+    /// The advisory lock of this scope and key: the first 8 bytes of their
+    /// SHA-256 (the domain keeps it apart from other users of the digest).
+    fn lock_key(&self) -> i64 {
+        lock_key(&self.scope.hash, &self.key)
+    }
+
     /// What an existing record means for this request.
     pub(crate) fn judge(&self, stored: Stored) -> Found {
         if stored.state == store::COMPLETED && stored.expired {
@@ -302,6 +352,21 @@ impl Scope {
             .filter(|label| label.len() <= SCOPE_LABEL_MAX);
         Ok(Scope { hash, label })
     }
+}
+
+/// The advisory lock local mode takes for a stored scope and a key (tests
+/// hold it from outside to stand in for a colliding request).
+#[doc(hidden)]
+pub fn lock_key(scope_hash: &str, key: &str) -> i64 {
+    let mut hasher = Sha256::new();
+    hasher.update(b"idem-lock-v1");
+    hasher.update(scope_hash.as_bytes());
+    hasher.update([0]);
+    hasher.update(key.as_bytes());
+    let digest = hasher.finalize();
+    let mut first = [0; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
 }
 
 pub(crate) fn micros(d: Duration) -> i64 {

@@ -1,5 +1,6 @@
-//! Every statement on `idem_requests`, each written once. The three on every
-//! request (claim-or-read, read and record) are fixed query fragments, so
+//! Every statement on `idem_requests`, each written once. Those on every
+//! request (local: lock, read and complete; external: claim-or-read, read and
+//! record) are fixed query fragments, so
 //! diesel caches their prepared statements (its `INSERT .. ON CONFLICT DO
 //! UPDATE` and `UPDATE` builders are not cached); the rare ones (release,
 //! mark unknown, settle, purge) use the query builder. Every value travels
@@ -164,6 +165,78 @@ impl QueryFragment<Pg> for Record<'_> {
     }
 }
 
+/// Local mode: the one write of a new request, made just before `COMMIT`:
+/// the completed record, inserted (or taking over a record whose retention
+/// ended). Duplicates never reach it concurrently, as they queue on [`Lock`]
+/// first; an external claim of the same key that slipped in makes it write
+/// nothing (0 rows), and under REPEATABLE READ or SERIALIZABLE a record
+/// committed after the snapshot makes it fail with 40001: both replay the
+/// attempt, whose read then finds the record.
+pub(crate) struct Complete<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) scope_label: Option<&'a str>,
+    pub(crate) key: &'a str,
+    pub(crate) operation: &'a str,
+    pub(crate) fingerprint: &'a [u8],
+    pub(crate) outcome: &'a str,
+    pub(crate) response: &'a serde_json::Value,
+    pub(crate) ttl_micros: i64,
+}
+
+impl QueryFragment<Pg> for Complete<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "INSERT INTO idem_requests AS r (scope, scope_label, key, operation, fingerprint, \
+             mode, state, outcome, response, expires_at) VALUES (",
+        );
+        out.push_bind_param::<Text, _>(self.scope)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Nullable<Text>, _>(&self.scope_label)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(self.key)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(self.operation)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Binary, _>(self.fingerprint)?;
+        out.push_sql(", 'local', 'completed', ");
+        out.push_bind_param::<Text, _>(self.outcome)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Jsonb, _>(self.response)?;
+        out.push_sql(", now() + ");
+        out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
+        out.push_sql(
+            " * interval '1 microsecond') ON CONFLICT (scope, key) DO UPDATE SET \
+             scope_label = excluded.scope_label, operation = excluded.operation, \
+             fingerprint = excluded.fingerprint, mode = excluded.mode, state = 'completed', \
+             owner = NULL, outcome = excluded.outcome, response = excluded.response, \
+             created_at = now(), updated_at = now(), expires_at = excluded.expires_at, \
+             lease_until = NULL WHERE r.state = 'completed' AND r.expires_at <= now()",
+        );
+        Ok(())
+    }
+}
+
+/// Local mode: duplicates of one key queue here, for the rest of the
+/// transaction. `key` is a 64-bit hash of scope and key: a collision only
+/// makes two unrelated requests wait for each other.
+pub(crate) struct Lock {
+    pub(crate) key: i64,
+}
+
+impl QueryFragment<Pg> for Lock {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("SELECT pg_advisory_xact_lock(");
+        out.push_bind_param::<BigInt, _>(&self.key)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
+impl QueryId for Lock {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
 /// Read the record of a key, with whether its lease and its retention ran out.
 pub(crate) struct Read<'a> {
     pub(crate) scope: &'a str,
@@ -205,7 +278,7 @@ macro_rules! cacheable_by_sql {
         }
     )*};
 }
-cacheable_by_sql!(ClaimOrRead, Record, Read);
+cacheable_by_sql!(ClaimOrRead, Record, Read, Complete);
 
 /// Release a claim that is not completed (its request never left, or an
 /// operator found the target did nothing): the key is new again. `$3`: the
