@@ -1,0 +1,15 @@
+//! The ledger example over real HTTP against a real PostgreSQL, one server
+//! and database per test.
+//!
+//! * `books`: concurrency, idempotency and If-Match keep the books right.
+
+#[path = "../../examples/ledger/app/mod.rs"]
+#[allow(dead_code)]
+mod app;
+#[path = "../../examples/ledger/testkit.rs"]
+#[allow(dead_code)]
+mod testkit;
+
+mod books;
+
+const EUR: &str = "EUR";
