@@ -128,7 +128,7 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
                     d.kind,
                     d.cached,
                     d.from_entries,
-                    d.cached - d.from_entries
+                    i128::from(d.cached) - d.from_entries
                 );
             }
             if report.is_clean() {

@@ -2,6 +2,8 @@
 //! and database per test.
 //!
 //! * `books`: concurrency, idempotency and If-Match keep the books right.
+//! * `limits`: amounts, currencies and metadata are bounded and validated
+//!   before anything is written; no balance overflows.
 
 #[path = "../../examples/ledger/app/mod.rs"]
 #[allow(dead_code)]
@@ -11,5 +13,6 @@ mod app;
 mod testkit;
 
 mod books;
+mod limits;
 
 const EUR: &str = "EUR";

@@ -2,5 +2,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod errors;
+pub mod limits;
 pub mod ops;
 pub mod schema;
