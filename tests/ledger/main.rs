@@ -4,6 +4,7 @@
 //! * `books`: concurrency, idempotency and If-Match keep the books right.
 //! * `limits`: amounts, currencies and metadata are bounded and validated
 //!   before anything is written; no balance overflows.
+//! * `problems`: a 500 is logged with its cause.
 
 #[path = "../../examples/ledger/app/mod.rs"]
 #[allow(dead_code)]
@@ -14,5 +15,6 @@ mod testkit;
 
 mod books;
 mod limits;
+mod problems;
 
 const EUR: &str = "EUR";

@@ -117,9 +117,33 @@ impl IntoResponse for LedgerError {
             LedgerError::Precondition(e) | LedgerError::Versioned(e) => {
                 Problem::from(e).into_response()
             }
-            LedgerError::Idem(e) => Problem::from(e).into_response(),
+            LedgerError::Idem(e) => {
+                let problem = Problem::from(&e);
+                if problem.status().is_server_error() {
+                    tracing::error!(
+                        error = %causes(&e),
+                        debug = ?e,
+                        "an idem error answered with {}",
+                        problem.status()
+                    );
+                }
+                problem.into_response()
+            }
             LedgerError::Db(e) => {
-                eprintln!("ledger: database error answered with 500: {e}");
+                // PostgreSQL's own fields say which row and rule: the cause.
+                let info = match &e {
+                    diesel::result::Error::DatabaseError(_, info) => Some(info),
+                    _ => None,
+                };
+                tracing::error!(
+                    error = %causes(&e),
+                    debug = ?e,
+                    table = info.and_then(|i| i.table_name()),
+                    constraint = info.and_then(|i| i.constraint_name()),
+                    details = info.and_then(|i| i.details()),
+                    hint = info.and_then(|i| i.hint()),
+                    "a database error answered with 500"
+                );
                 Problem::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     problem_type::INTERNAL,
@@ -130,6 +154,18 @@ impl IntoResponse for LedgerError {
             }
         }
     }
+}
+
+/// `e` and its sources, outermost first: what the log says of a 500.
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// The tenant a request acts in: the `X-Tenant-Id` header, 1 when absent.
