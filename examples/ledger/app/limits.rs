@@ -2,6 +2,7 @@
 //!
 //! | input | limit | refused with |
 //! |---|---|---|
+//! | request body | [`MAX_BODY_BYTES`] (64 KiB) | 413 `body-too-large` |
 //! | `amount` | 1 to [`MAX_AMOUNT`] minor units | 400 `non-positive-amount`, 422 `amount-too-large` |
 //! | a balance after a movement | within `i64` | 422 `balance-overflow` |
 //! | `currency` | three capital ASCII letters | 400 `invalid-currency` |
@@ -11,6 +12,11 @@
 //! characters, control characters escaped.
 
 use serde_json::Value;
+
+/// The largest request body read, in bytes. The largest valid request is a
+/// few KiB (metadata is at most 4 KiB); anything near this is not a ledger
+/// request.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
 /// The largest amount one movement carries, in minor units: 10^12 cents is
 /// ten billion of a currency, more than any wallet moves at once, and
