@@ -7,6 +7,8 @@
 //! * `problems`: every refusal is `application/problem+json` with the status
 //!   that says what is wrong and no input quoted at length; a 500 is logged
 //!   with its cause.
+//! * `hostile`: a barrage of hostile requests and a flood of duplicate keys
+//!   get 2xx or 4xx problems only, and the books still reconcile.
 
 #[path = "../../examples/ledger/app/mod.rs"]
 #[allow(dead_code)]
@@ -16,6 +18,7 @@ mod app;
 mod testkit;
 
 mod books;
+mod hostile;
 mod limits;
 mod problems;
 
