@@ -174,9 +174,11 @@ pub struct Reaped {
 }
 
 const STALE_OR_UNKNOWN: &str = r#"
-    SELECT scope, key, operation, state, to_char(updated_at, 'YYYY-MM-DD"T"HH24:MI:SSOF') AS since
+    SELECT coalesce(scope_label, scope) AS scope, key, operation, state,
+           to_char(updated_at, 'YYYY-MM-DD"T"HH24:MI:SSOF') AS since
       FROM idem_requests
-     WHERE scope LIKE '["ledger",%'
+     -- The label is the readable scope (kept for short ones, as these are).
+     WHERE scope_label LIKE '["ledger",%'
        AND (state = 'unknown' OR (state = 'in_progress' AND lease_until < now()))
      ORDER BY updated_at LIMIT 100"#;
 
