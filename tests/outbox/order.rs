@@ -1,6 +1,26 @@
 //! Per-key order with several relays at once.
 
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+use idem::outbox::{OutboxMessage, PublishError, Published, Publisher};
+
 use super::*;
+
+/// The real publisher, counting what went through it: only to show that
+/// every relay took part, never to judge the order.
+struct Counted {
+    inner: NatsPublisher,
+    acked: Arc<AtomicUsize>,
+}
+
+impl Publisher for Counted {
+    async fn publish(&self, message: &OutboxMessage) -> Result<Published, PublishError> {
+        let published = self.inner.publish(message).await?;
+        self.acked.fetch_add(1, Ordering::SeqCst);
+        Ok(published)
+    }
+}
 
 const KEYS: usize = 20;
 const EVENTS: usize = 300;
@@ -12,8 +32,15 @@ async fn three_relays_publish_every_key_in_commit_order() {
     let env = env("order", Duration::from_secs(120)).await;
     // Small batches and a short poll, so the relays interleave on every key.
     let mut relays = Vec::new();
+    let mut acked = Vec::new();
     for _ in 0..RELAYS {
-        let relay = Relay::new(env.pool.clone(), env.publisher().await)
+        let count = Arc::new(AtomicUsize::new(0));
+        acked.push(count.clone());
+        let publisher = Counted {
+            inner: env.publisher().await,
+            acked: count,
+        };
+        let relay = Relay::new(env.pool.clone(), publisher)
             .batch_size(4)
             .poll_interval(Duration::from_millis(5));
         relays.push(Running::start(relay));
@@ -43,6 +70,12 @@ async fn three_relays_publish_every_key_in_commit_order() {
     .await;
     for r in relays {
         r.stop().await;
+    }
+    for (i, count) in acked.iter().enumerate() {
+        assert!(
+            count.load(Ordering::SeqCst) > 0,
+            "relay {i} published nothing"
+        );
     }
 
     // The database: every event sent, seqs 1..n per key, matching the

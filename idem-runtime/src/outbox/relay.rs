@@ -245,10 +245,18 @@ impl<P: Publisher> Relay<P> {
             claimed: claimed.len(),
             ..Round::default()
         };
+        // Every claimed event is the head of its own key, so they may be
+        // in flight together: order only binds events of one key.
+        let results = futures_util::future::join_all(
+            claimed
+                .iter()
+                .map(|message| self.publisher.publish(message)),
+        )
+        .await;
         let mut acked = Vec::with_capacity(claimed.len());
         let mut failures = Vec::new();
-        for message in &claimed {
-            match self.publisher.publish(message).await {
+        for (message, result) in claimed.iter().zip(results) {
+            match result {
                 Ok(published) => {
                     round.duplicates += usize::from(published.duplicate);
                     acked.push(message.id.0);
