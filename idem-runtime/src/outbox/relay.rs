@@ -152,7 +152,10 @@ impl<P: Publisher> Relay<P> {
         self
     }
     /// Whether to hold one connection that `LISTEN`s for new events, so the
-    /// relay wakes at commit instead of at its next poll. Default true.
+    /// relay wakes at commit instead of at its next poll. Default true; the
+    /// connection is one of the pool's, kept for as long as the relay runs
+    /// (size the pool for it). A broken listener is made again, and until
+    /// then the relay polls.
     pub fn listen(mut self, on: bool) -> Self {
         self.listen = on;
         self
