@@ -58,6 +58,20 @@ pub mod versioned {
     };
 }
 
+/// The transactional outbox: [`emit`](outbox::emit) an event in the
+/// business transaction, and a [`Relay`](outbox::Relay) publishes it
+/// afterwards, at least once and in commit order per key (to NATS
+/// JetStream with feature `nats`).
+pub mod outbox {
+    #[cfg(feature = "nats")]
+    pub use idem_runtime::outbox::NatsPublisher;
+    pub use idem_runtime::outbox::{
+        delete_sent, emit, requeue, requeue_key, stats, EmitError, Event, EventId, Horizon,
+        InvalidEvent, OutboxMessage, OutboxStats, PrepareError, PublishError, Published, Publisher,
+        Relay, RelayError, Round,
+    };
+}
+
 #[cfg(feature = "axum")]
 pub mod http;
 

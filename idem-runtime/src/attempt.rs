@@ -50,6 +50,37 @@ pub(crate) struct AttemptContext {
     /// Under `on_conflict = lock`: how long a row that lost a version race
     /// stays hot, so that later calls lock it from their first attempt.
     pub(crate) hot_row_memory: Option<Duration>,
+    /// What the outbox counts in this attempt; fresh per attempt, so a
+    /// replayed attempt emits the same event ids again.
+    pub(crate) emits: Arc<EmitState>,
+}
+
+/// The outbox's view of one attempt: how many events it emitted so far, and
+/// the idempotent call (scope hash and key) it runs for, if any.
+#[derive(Debug, Default)]
+pub(crate) struct EmitState {
+    ordinal: std::sync::atomic::AtomicU32,
+    call: OnceLock<(String, String)>,
+}
+
+/// Tell the current attempt which idempotent call it runs for (scope hash,
+/// key): the outbox derives its event ids from them. Called by
+/// `idempotency::Call::enter`, once per attempt.
+pub(crate) fn note_call(scope: &str, key: &str) {
+    let _ = ATTEMPT.try_with(|ctx| {
+        let _ = ctx.emits.call.set((scope.to_owned(), key.to_owned()));
+    });
+}
+
+/// For an emit inside an attempt: its ordinal in the attempt (0 first), and
+/// the idempotent call the attempt runs for. `None` outside an attempt.
+pub(crate) fn next_emit() -> Option<(u32, Option<(String, String)>)> {
+    ATTEMPT
+        .try_with(|ctx| {
+            let n = ctx.emits.ordinal.fetch_add(1, Ordering::AcqRel);
+            (n, ctx.emits.call.get().cloned())
+        })
+        .ok()
 }
 
 tokio::task_local! {

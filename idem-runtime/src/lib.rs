@@ -6,6 +6,7 @@ pub mod attempt;
 mod error;
 pub mod idempotency;
 pub mod migrate;
+pub mod outbox;
 pub mod pool;
 pub mod retry;
 mod tx;

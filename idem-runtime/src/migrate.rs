@@ -142,6 +142,11 @@ static MIGRATIONS: &[Migration] = &[
         name: "idem_requests_scope_label",
         sql: include_str!("../migrations/0004_idem_requests_scope_label.sql"),
     },
+    Migration {
+        version: 6,
+        name: "outbox",
+        sql: include_str!("../migrations/0006_outbox.sql"),
+    },
 ];
 
 /// The migrations embedded in this build, in the order [`migrate`] applies them.

@@ -108,6 +108,8 @@ impl<E> Call<E> {
     where
         E: IdempotentError,
     {
+        // The outbox derives deterministic event ids from the call.
+        crate::attempt::note_call(self.request.scope(), self.request.key());
         let external = self.request.external();
         if self.claimed && self.pending_final.is_none() {
             // External phase 2: the body runs with nothing open.

@@ -319,6 +319,7 @@ impl<'p> RetryLoop<'p> {
             lock_rows: self.lock_rows,
             hot_row_memory: (self.policy.on_conflict == OnConflict::Lock)
                 .then_some(self.policy.hot_row_memory),
+            emits: Default::default(),
         };
         let span = tracing::debug_span!(parent: &self.span, "idem.attempt", attempt = self.attempts, lock_rows = self.lock_rows);
         ATTEMPT.scope(ctx, body).instrument(span)

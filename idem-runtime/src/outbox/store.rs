@@ -1,0 +1,198 @@
+//! The relay's statements on `idem_outbox`, each one short and on its own
+//! (autocommit): no transaction stays open while a broker is called.
+
+use std::time::Duration;
+
+use diesel::sql_types::{Array, BigInt, Double, Integer, Jsonb, Nullable, Text, Uuid as SqlUuid};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use uuid::Uuid;
+
+use super::event::EventId;
+use super::publisher::OutboxMessage;
+
+/// Claims the head of up to `$1` keys (a key's head is its lowest unsent
+/// seq) for `$2` milliseconds.
+///
+/// Only heads are claimed, and a head is claimable only while it is pending,
+/// due and not leased: so a key has at most one event in flight, and event
+/// n+1 becomes a head only once n is marked sent, i.e. acked. A dead head
+/// blocks its key and no other. `FOR UPDATE SKIP LOCKED` lets relays claim
+/// side by side; when a row changed after this statement's snapshot (another
+/// relay leased it, or marked it sent), PostgreSQL re-checks the conditions
+/// on `o` against the newest row before locking it, so a head is never
+/// claimed twice within a lease, and a row that became sent is skipped.
+const CLAIM_SQL: &str = "
+WITH heads AS (
+    SELECT DISTINCT ON (key) id FROM idem_outbox
+    WHERE state <> 'sent'
+    ORDER BY key, seq
+), due AS (
+    SELECT o.id FROM idem_outbox o JOIN heads h ON h.id = o.id
+    WHERE o.state = 'pending'
+      AND o.next_attempt_at <= now()
+      AND (o.lease_until IS NULL OR o.lease_until < clock_timestamp())
+    ORDER BY o.created_at, o.seq
+    LIMIT $1
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE idem_outbox o
+SET lease_until = clock_timestamp() + $2 * interval '1 millisecond'
+FROM due WHERE o.id = due.id
+RETURNING o.id, o.key, o.seq, o.subject, o.kind, o.version, o.payload, o.attempts";
+
+#[derive(diesel::QueryableByName)]
+struct Claimed {
+    #[diesel(sql_type = SqlUuid)]
+    id: Uuid,
+    #[diesel(sql_type = Text)]
+    key: String,
+    #[diesel(sql_type = BigInt)]
+    seq: i64,
+    #[diesel(sql_type = Text)]
+    subject: String,
+    #[diesel(sql_type = Text)]
+    kind: String,
+    #[diesel(sql_type = BigInt)]
+    version: i64,
+    #[diesel(sql_type = Jsonb)]
+    payload: serde_json::Value,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+}
+
+/// Claim up to `batch` heads for `lease`.
+pub(crate) async fn claim(
+    conn: &mut AsyncPgConnection,
+    batch: i64,
+    lease: Duration,
+) -> Result<Vec<OutboxMessage>, diesel::result::Error> {
+    let rows: Vec<Claimed> = diesel::sql_query(CLAIM_SQL)
+        .bind::<BigInt, _>(batch)
+        .bind::<BigInt, _>(millis(lease))
+        .load(conn)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| OutboxMessage {
+            id: EventId(r.id),
+            key: r.key,
+            seq: r.seq,
+            subject: r.subject,
+            kind: r.kind,
+            version: r.version,
+            payload: r.payload,
+            attempts: r.attempts,
+        })
+        .collect())
+}
+
+/// Mark acked events sent. Whoever holds the lease now, the broker has them.
+pub(crate) async fn mark_sent(
+    conn: &mut AsyncPgConnection,
+    ids: &[Uuid],
+) -> Result<usize, diesel::result::Error> {
+    diesel::sql_query(
+        "UPDATE idem_outbox SET state = 'sent', sent_at = now(), lease_until = NULL
+         WHERE id = ANY($1) AND state <> 'sent'",
+    )
+    .bind::<Array<SqlUuid>, _>(ids)
+    .execute(conn)
+    .await
+}
+
+/// Record a failed publish: back off, or park the event as dead once it
+/// failed `max_attempts` times.
+pub(crate) async fn mark_failed(
+    conn: &mut AsyncPgConnection,
+    id: Uuid,
+    error: &str,
+    max_attempts: u32,
+    backoff: Duration,
+) -> Result<usize, diesel::result::Error> {
+    diesel::sql_query(
+        "UPDATE idem_outbox SET
+             attempts = attempts + 1,
+             last_error = $2,
+             lease_until = NULL,
+             next_attempt_at = now() + $4 * interval '1 millisecond',
+             state = CASE WHEN attempts + 1 >= $3 THEN 'dead' ELSE 'pending' END
+         WHERE id = $1 AND state = 'pending'",
+    )
+    .bind::<SqlUuid, _>(id)
+    .bind::<Text, _>(error)
+    .bind::<Integer, _>(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+    .bind::<BigInt, _>(millis(backoff))
+    .execute(conn)
+    .await
+}
+
+/// Put dead events back to pending with a fresh attempt count: one event
+/// (`id`), or every dead event of `key`.
+pub(crate) async fn requeue(
+    conn: &mut AsyncPgConnection,
+    id: Option<Uuid>,
+    key: Option<&str>,
+) -> Result<usize, diesel::result::Error> {
+    let woken = diesel::sql_query(
+        "UPDATE idem_outbox SET state = 'pending', attempts = 0, next_attempt_at = now()
+         WHERE state = 'dead' AND ($1::uuid IS NULL OR id = $1) AND ($2::text IS NULL OR key = $2)",
+    )
+    .bind::<Nullable<SqlUuid>, _>(id)
+    .bind::<Nullable<Text>, _>(key)
+    .execute(conn)
+    .await?;
+    if woken > 0 {
+        // Wake listening relays now rather than at their next poll.
+        diesel::sql_query("SELECT pg_notify('idem_outbox', '')")
+            .execute(conn)
+            .await?;
+    }
+    Ok(woken)
+}
+
+/// Delete up to `batch` events sent more than `retention` ago.
+pub(crate) async fn delete_sent(
+    conn: &mut AsyncPgConnection,
+    retention: Duration,
+    batch: i64,
+) -> Result<usize, diesel::result::Error> {
+    diesel::sql_query(
+        "DELETE FROM idem_outbox WHERE id IN (
+             SELECT id FROM idem_outbox
+             WHERE state = 'sent' AND sent_at < now() - $1 * interval '1 millisecond'
+             ORDER BY sent_at LIMIT $2
+         )",
+    )
+    .bind::<BigInt, _>(millis(retention))
+    .bind::<BigInt, _>(batch)
+    .execute(conn)
+    .await
+}
+
+#[derive(diesel::QueryableByName)]
+pub(crate) struct StatsRow {
+    #[diesel(sql_type = BigInt)]
+    pub(crate) pending: i64,
+    #[diesel(sql_type = BigInt)]
+    pub(crate) dead: i64,
+    #[diesel(sql_type = Nullable<Double>)]
+    pub(crate) oldest_pending_secs: Option<f64>,
+}
+
+/// Counts of pending and dead events, and the age of the oldest pending.
+pub(crate) async fn stats(conn: &mut AsyncPgConnection) -> Result<StatsRow, diesel::result::Error> {
+    diesel::sql_query(
+        "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
+                count(*) FILTER (WHERE state = 'dead') AS dead,
+                extract(epoch FROM now() - min(created_at) FILTER (WHERE state = 'pending'))::float8
+                    AS oldest_pending_secs
+         FROM idem_outbox WHERE state <> 'sent'",
+    )
+    .get_result(conn)
+    .await
+}
+
+/// A duration in whole milliseconds, for `interval` arithmetic in SQL.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
