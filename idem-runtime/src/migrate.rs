@@ -43,6 +43,7 @@
 //! | 2 | `idem_requests` | the table of idempotency records, see [`idempotency`](crate::idempotency) |
 //! | 3 | `idem_requests_owner` | the column `owner`: an external claim's token |
 //! | 4 | `idem_requests_scope_label` | the column `scope_label`: a short scope's readable form (`scope` becomes a hash) |
+//! | 5 | `outbox` | the tables `idem_outbox` and `idem_outbox_keys` and a `NOTIFY` trigger, see [`outbox`](crate::outbox) |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -143,9 +144,9 @@ static MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0004_idem_requests_scope_label.sql"),
     },
     Migration {
-        version: 6,
+        version: 5,
         name: "outbox",
-        sql: include_str!("../migrations/0006_outbox.sql"),
+        sql: include_str!("../migrations/0005_outbox.sql"),
     },
 ];
 
