@@ -43,6 +43,7 @@
 //! | 2 | `idem_requests` | the table of idempotency records, see [`idempotency`](crate::idempotency) |
 //! | 3 | `idem_requests_owner` | the column `owner`: an external claim's token |
 //! | 4 | `idem_requests_scope_label` | the column `scope_label`: a short scope's readable form (`scope` becomes a hash) |
+//! | 7 | `inbox` | the table `idem_inbox` of messages a consumer has settled, see [`inbox`](crate::inbox) |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -141,6 +142,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 4,
         name: "idem_requests_scope_label",
         sql: include_str!("../migrations/0004_idem_requests_scope_label.sql"),
+    },
+    Migration {
+        version: 7,
+        name: "inbox",
+        sql: include_str!("../migrations/0007_inbox.sql"),
     },
 ];
 
