@@ -72,6 +72,18 @@ pub mod outbox {
     };
 }
 
+/// The consumer-side inbox: a message's effect and the record that it was
+/// applied commit together, so a redelivered message is skipped; failing
+/// messages back off and are parked as dead letters. The JetStream pull
+/// loop, `Inbox::run`, needs feature `nats`.
+pub mod inbox {
+    #[cfg(feature = "nats")]
+    pub use idem_runtime::inbox::{message_id, RunError, RunReport};
+    pub use idem_runtime::inbox::{
+        DeadLetter, Inbox, InboxConfig, InboxError, Outcome, MAX_ID_BYTES,
+    };
+}
+
 #[cfg(feature = "axum")]
 pub mod http;
 

@@ -5,6 +5,7 @@
 pub mod attempt;
 mod error;
 pub mod idempotency;
+pub mod inbox;
 pub mod migrate;
 pub mod outbox;
 pub mod pool;

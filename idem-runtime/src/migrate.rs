@@ -44,6 +44,7 @@
 //! | 3 | `idem_requests_owner` | the column `owner`: an external claim's token |
 //! | 4 | `idem_requests_scope_label` | the column `scope_label`: a short scope's readable form (`scope` becomes a hash) |
 //! | 5 | `outbox` | the tables `idem_outbox` and `idem_outbox_keys` and a `NOTIFY` trigger, see [`outbox`](crate::outbox) |
+//! | 6 | `inbox` | the table `idem_inbox` of messages a consumer has settled, see [`inbox`](crate::inbox) |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -147,6 +148,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 5,
         name: "outbox",
         sql: include_str!("../migrations/0005_outbox.sql"),
+    },
+    Migration {
+        version: 6,
+        name: "inbox",
+        sql: include_str!("../migrations/0006_inbox.sql"),
     },
 ];
 

@@ -34,6 +34,7 @@
 mod cluster;
 mod database;
 mod error;
+pub mod nats;
 pub mod proxy;
 mod url;
 

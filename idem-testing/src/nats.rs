@@ -1,0 +1,365 @@
+//! A NATS server with JetStream for tests, and uniquely named streams on it.
+//!
+//! # Which server
+//!
+//! 1. If `NATS_URL` is set (and not empty), it is the URL of a running
+//!    server with JetStream enabled, e.g. `nats://127.0.0.1:4222`.
+//! 2. Otherwise, if a server answers on `127.0.0.1:4222` and its greeting
+//!    says JetStream is enabled, that one.
+//! 3. Otherwise the first use in a process starts `nats-server -js` (from
+//!    `IDEM_NATS_SERVER`, else `nats-server` on the `PATH`, else
+//!    `/usr/sbin/nats-server` or `/usr/bin/nats-server`) on a free loopback
+//!    port with a temporary store directory. It is stopped and its directory
+//!    removed when the process exits.
+//!
+//! Tests share the server, so every test creates streams and consumers of
+//! its own ([`TestStream::create`]) under unique names.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), idem_testing::nats::NatsHarnessError> {
+//! let js = idem_testing::nats::jetstream().await?;
+//! let stream = idem_testing::nats::TestStream::create(&js, "orders").await?;
+//! js.publish(stream.subject().to_owned(), "hello".into()).await.expect("published");
+//! # Ok(()) }
+//! ```
+
+use std::io::{self, Read};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+
+use crate::cluster::random_u32;
+
+/// The port a developer's or CI's own server listens on.
+const DEFAULT_ADDR: &str = "127.0.0.1:4222";
+
+/// How long a started server gets to accept connections.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Why the harness could not provide a NATS server or a stream.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum NatsHarnessError {
+    /// No `NATS_URL`, nothing with JetStream on 127.0.0.1:4222, and no
+    /// `nats-server` binary.
+    #[error(
+        "no NATS server with JetStream: NATS_URL is unset, nothing with JetStream answers on \
+         127.0.0.1:4222, and no nats-server binary was found (searched: {searched}). Install \
+         nats-server, set IDEM_NATS_SERVER to it, or set NATS_URL"
+    )]
+    NoServerBinary {
+        /// Where the binary was looked for.
+        searched: String,
+    },
+    /// The started server did not accept connections in time.
+    #[error("nats-server did not start: {detail}\n--- server log ---\n{log}")]
+    ServerDidNotStart {
+        /// What went wrong.
+        detail: String,
+        /// The server's log.
+        log: String,
+    },
+    /// A file or process operation failed.
+    #[error("{action}: {source}")]
+    Io {
+        /// What was being attempted.
+        action: String,
+        /// The underlying error.
+        #[source]
+        source: Arc<io::Error>,
+    },
+    /// The client failed talking to the server.
+    #[error("NATS client: {0}")]
+    Client(String),
+}
+
+impl NatsHarnessError {
+    fn io(action: impl Into<String>, source: io::Error) -> Self {
+        NatsHarnessError::Io {
+            action: action.into(),
+            source: Arc::new(source),
+        }
+    }
+
+    fn client(err: impl std::fmt::Display) -> Self {
+        NatsHarnessError::Client(err.to_string())
+    }
+}
+
+/// A `nats-server -js` started by the harness; stopped (and its store
+/// directory removed) when dropped.
+#[derive(Debug)]
+pub struct NatsServer {
+    url: String,
+    dir: PathBuf,
+    child: Mutex<Option<Child>>,
+}
+
+impl NatsServer {
+    /// Start a server with JetStream on a free port of 127.0.0.1, storing
+    /// in a new temporary directory. Blocks until it accepts connections.
+    pub fn start() -> Result<NatsServer, NatsHarnessError> {
+        let binary = find_binary()?;
+        let port = TcpListener::bind(("127.0.0.1", 0))
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(|e| NatsHarnessError::io("find a free TCP port on 127.0.0.1", e))?;
+        let dir = make_temp_dir()?;
+        let log = dir.join("nats-server.log");
+        let child = Command::new(&binary)
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir.join("store"))
+            .arg("-l")
+            .arg(&log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| NatsHarnessError::io(format!("run {}", binary.display()), e))?;
+        let server = NatsServer {
+            url: format!("nats://127.0.0.1:{port}"),
+            dir,
+            child: Mutex::new(Some(child)),
+        };
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let started = Instant::now();
+        loop {
+            if has_jetstream(&addr) {
+                return Ok(server);
+            }
+            let exited = server
+                .child
+                .lock()
+                .ok()
+                .and_then(|mut c| c.as_mut().and_then(|c| c.try_wait().ok().flatten()));
+            if exited.is_some() || started.elapsed() > START_TIMEOUT {
+                let detail = match exited {
+                    Some(status) => format!("it exited with {status}"),
+                    None => format!("no JetStream greeting on {addr} after {START_TIMEOUT:?}"),
+                };
+                let log = std::fs::read_to_string(&log).unwrap_or_default();
+                return Err(NatsHarnessError::ServerDidNotStart { detail, log });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Its client URL, `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Its temporary directory (store and log).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn shut_down(&self) {
+        if let Some(mut child) = self.child.lock().ok().and_then(|mut c| c.take()) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.shut_down();
+    }
+}
+
+static SHARED: OnceLock<Result<NatsServer, NatsHarnessError>> = OnceLock::new();
+
+extern "C" fn shut_down_shared_server() {
+    // Unwinding out of an extern "C" fn aborts; a failed cleanup must not
+    // turn a passing run into a crash.
+    let _ = std::panic::catch_unwind(|| {
+        if let Some(Ok(server)) = SHARED.get() {
+            server.shut_down();
+        }
+    });
+}
+
+/// The URL of the NATS server tests use (see the [module docs](self) for
+/// which). Blocking: the first call may start a server.
+pub fn url() -> Result<String, NatsHarnessError> {
+    match std::env::var("NATS_URL") {
+        Ok(url) if !url.is_empty() => return Ok(url),
+        _ => {}
+    }
+    if let Ok(addr) = DEFAULT_ADDR.parse() {
+        if has_jetstream(&addr) {
+            return Ok(format!("nats://{DEFAULT_ADDR}"));
+        }
+    }
+    let server = SHARED.get_or_init(|| {
+        let server = NatsServer::start()?;
+        // Statics are never dropped: without this the server would outlive
+        // the test binary.
+        // SAFETY: registers a plain extern "C" fn; libc keeps no other state for it.
+        unsafe {
+            libc::atexit(shut_down_shared_server);
+        }
+        Ok(server)
+    });
+    server.as_ref().map(|s| s.url.clone()).map_err(Clone::clone)
+}
+
+/// A client connected to [`url`], as a JetStream context.
+pub async fn jetstream() -> Result<jetstream::Context, NatsHarnessError> {
+    let url = tokio::task::spawn_blocking(url)
+        .await
+        .map_err(NatsHarnessError::client)??;
+    let client = async_nats::connect(url)
+        .await
+        .map_err(NatsHarnessError::client)?;
+    Ok(jetstream::new(client))
+}
+
+/// Whether a server greets on `addr` with JetStream enabled: the first line
+/// a NATS server sends is `INFO {json}`, whose `jetstream` field says so.
+fn has_jetstream(addr: &SocketAddr) -> bool {
+    let Ok(mut socket) = TcpStream::connect_timeout(addr, Duration::from_millis(300)) else {
+        return false;
+    };
+    let _ = socket.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut greeting = Vec::new();
+    let mut buf = [0_u8; 1024];
+    while !greeting.contains(&b'\n') && greeting.len() < 16 * 1024 {
+        match socket.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => greeting.extend_from_slice(&buf[..n]),
+        }
+    }
+    let line = String::from_utf8_lossy(&greeting);
+    line.starts_with("INFO ") && line.replace(' ', "").contains("\"jetstream\":true")
+}
+
+fn find_binary() -> Result<PathBuf, NatsHarnessError> {
+    let mut searched = Vec::new();
+    if let Some(path) = std::env::var_os("IDEM_NATS_SERVER").filter(|p| !p.is_empty()) {
+        return Ok(PathBuf::from(path));
+    }
+    searched.push("IDEM_NATS_SERVER (unset)".to_owned());
+    if let Some(paths) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&paths) {
+            let candidate = dir.join("nats-server");
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    searched.push("PATH".to_owned());
+    for candidate in ["/usr/sbin/nats-server", "/usr/bin/nats-server"] {
+        if Path::new(candidate).is_file() {
+            return Ok(candidate.into());
+        }
+        searched.push(candidate.to_owned());
+    }
+    Err(NatsHarnessError::NoServerBinary {
+        searched: searched.join(", "),
+    })
+}
+
+fn make_temp_dir() -> Result<PathBuf, NatsHarnessError> {
+    let dir = std::env::temp_dir().join(format!("idem-nats-{}", unique_suffix()));
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| NatsHarnessError::io(format!("create {}", dir.display()), e))?;
+    Ok(dir)
+}
+
+/// `PID_COUNTER_RANDOM`: unique across the tests of a process and across
+/// processes sharing one server.
+fn unique_suffix() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{}_{n}_{:08x}", std::process::id(), random_u32())
+}
+
+/// A stream of a test's own: a unique name and one unique subject. Memory
+/// storage, so a shared server does not fill a disk; deleted by
+/// [`TestStream::delete`] (a left-over one goes with the server).
+#[derive(Debug, Clone)]
+pub struct TestStream {
+    name: String,
+    subject: String,
+    stream: jetstream::stream::Stream,
+}
+
+impl TestStream {
+    /// Create a stream named `{LABEL}_{unique}` with the subject
+    /// `{label}.{unique}` (the label lower- and upper-cased as given).
+    pub async fn create(
+        js: &jetstream::Context,
+        label: &str,
+    ) -> Result<TestStream, NatsHarnessError> {
+        let suffix = unique_suffix();
+        let name = format!("{}_{suffix}", label.to_uppercase());
+        let subject = format!("{}.{suffix}", label.to_lowercase());
+        let stream = js
+            .create_stream(jetstream::stream::Config {
+                name: name.clone(),
+                subjects: vec![subject.clone()],
+                storage: jetstream::stream::StorageType::Memory,
+                ..Default::default()
+            })
+            .await
+            .map_err(NatsHarnessError::client)?;
+        Ok(TestStream {
+            name,
+            subject,
+            stream,
+        })
+    }
+
+    /// The stream's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The one subject it captures.
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+
+    /// The client's handle on it (to create consumers, read its info).
+    pub fn stream(&self) -> &jetstream::stream::Stream {
+        &self.stream
+    }
+
+    /// Delete the stream and its consumers.
+    pub async fn delete(self, js: &jetstream::Context) -> Result<(), NatsHarnessError> {
+        js.delete_stream(&self.name)
+            .await
+            .map(|_| ())
+            .map_err(NatsHarnessError::client)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The path taken where no server runs: start one, see it greet with
+    /// JetStream, stop it.
+    #[test]
+    fn starts_a_server_with_jetstream_and_stops_it() {
+        let server = NatsServer::start().expect("nats-server starts");
+        let addr: SocketAddr = server
+            .url()
+            .trim_start_matches("nats://")
+            .parse()
+            .expect("addr");
+        assert!(has_jetstream(&addr));
+        let dir = server.dir().to_owned();
+        drop(server);
+        assert!(!dir.exists(), "store directory removed");
+        assert!(!has_jetstream(&addr), "stopped");
+    }
+}
