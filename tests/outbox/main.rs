@@ -1,5 +1,5 @@
 //! The transactional outbox against a real PostgreSQL and a real NATS
-//! JetStream server (`NATS_URL`, default `127.0.0.1:4222`): every test
+//! JetStream server (`NATS_URL`, else 127.0.0.1:4222, else a throwaway one): every test
 //! asserts on what `idem_outbox` holds and on what the stream stored, never
 //! on the relay's own report of what it did. Each test has its own database
 //! and its own stream and subjects.
@@ -81,8 +81,13 @@ struct Env {
     stream: String,
 }
 
-fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".to_owned())
+/// `NATS_URL`, else the local server, else a throwaway `nats-server -js`
+/// (the harness decides, as it does for PostgreSQL).
+async fn nats_url() -> String {
+    tokio::task::spawn_blocking(idem_testing::nats::url)
+        .await
+        .expect("no panic")
+        .expect("a NATS server with JetStream")
 }
 
 /// A name no other test (nor an earlier run) uses.
@@ -119,7 +124,7 @@ async fn env(test: &str, duplicate_window: Duration) -> Env {
     .expect("pool");
     let client = idem_testing::connect(db.url()).await.expect("connect");
     let js = jetstream::new(
-        async_nats::connect(nats_url())
+        async_nats::connect(nats_url().await)
             .await
             .expect("connect to NATS"),
     );
@@ -155,7 +160,7 @@ struct Stored {
 impl Env {
     /// A publisher of a fresh NATS connection to this test's stream.
     async fn publisher(&self) -> NatsPublisher {
-        let client = async_nats::connect(nats_url())
+        let client = async_nats::connect(nats_url().await)
             .await
             .expect("connect to NATS");
         NatsPublisher::new(jetstream::new(client), &self.stream).subject_prefix(&self.stream)
