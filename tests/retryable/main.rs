@@ -113,6 +113,7 @@ async fn env(pool_size: usize) -> Env {
         &PoolConfig {
             max_size: pool_size,
             wait_timeout: Duration::from_secs(10),
+            ..Default::default()
         },
     )
     .expect("build the pool");
