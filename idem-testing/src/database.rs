@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, Config, NoTls};
 
-use crate::cluster::random_u32;
+use crate::scratch::random_u32;
 use crate::url::{redact, with_database};
 use crate::{server_url, HarnessError};
 

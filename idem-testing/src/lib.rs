@@ -34,7 +34,9 @@
 mod cluster;
 mod database;
 mod error;
+mod privilege;
 pub mod proxy;
+mod scratch;
 mod url;
 
 pub use cluster::{start_throwaway_cluster, Cluster};
