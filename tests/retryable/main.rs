@@ -15,7 +15,7 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::attempt::current_attempt;
-use idem::pool::{build_pool_with, PoolConfig};
+use idem::pool::{build_pool_with, PoolConfig, Pooler};
 use idem::retry::retry;
 use idem::Transient;
 use idem::{
@@ -108,12 +108,17 @@ async fn env(pool_size: usize) -> Env {
         .batch_execute(SCHEMA)
         .await
         .expect("create the schema");
+    // The code under test's pool: through PgBouncer under IDEM_TEST_VIA=pgbouncer.
     let pool = build_pool_with(
-        db.url(),
+        db.pool_url(),
         &PoolConfig {
             max_size: pool_size,
             wait_timeout: Duration::from_secs(10),
-            ..Default::default()
+            pooler: if db.via().is_transaction_pooling() {
+                Pooler::TransactionPooling
+            } else {
+                Pooler::Direct
+            },
         },
     )
     .expect("build the pool");
