@@ -194,10 +194,10 @@ async fn drive(
     totals.wasted_warm_up = run_round(&warm_up, fleet, &mut totals).await?.1;
     for round in 0..args.rounds {
         // Alternating which goes first, so drift hits both alike.
-        let order = if round % 2 == 0 {
-            [1, args.processes]
-        } else {
-            [args.processes, 1]
+        let order = match args.processes {
+            1 => vec![1],
+            n if round % 2 == 0 => vec![1, n],
+            n => vec![n, 1],
         };
         for processes in order {
             let spec = Round {
@@ -214,7 +214,9 @@ async fn drive(
             } else {
                 totals.throughput_n.push(throughput);
                 totals.wasted_n += wasted;
-                // Each process's pool is warm and busy now.
+            }
+            if processes == args.processes {
+                // Every process's pool has been busy now.
                 totals.server_connections =
                     census::server_connections(admin_url, db.name()).await?;
             }
@@ -265,7 +267,12 @@ fn median(values: &[f64]) -> f64 {
 }
 
 fn report(args: &Args, via: &str, totals: &Totals, census: &census::Census) {
-    let (t1, tn) = (median(&totals.throughput_1), median(&totals.throughput_n));
+    let t1 = median(&totals.throughput_1);
+    // With one process, its rounds are both.
+    let tn = match args.processes {
+        1 => t1,
+        _ => median(&totals.throughput_n),
+    };
     println!(
         "acknowledged={} failed_sends={} disagreeing_answers={}",
         totals.acknowledged.len(),
