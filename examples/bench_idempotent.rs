@@ -3,21 +3,27 @@
 //! `cargo run --release --example bench_idempotent [-- --iterations N --warmup N]`
 //!
 //! One handler (insert a payment row and its outbox row, in one transaction),
-//! four ways:
+//! five ways:
 //!
 //! - `bare`: under `#[retryable]` only: `BEGIN`, two inserts, `COMMIT`;
-//! - `local`: `#[idempotent]` (local mode) on top, a new key every call: the
-//!   claim, the body and the stored response commit together;
+//! - `local`: `#[idempotent]` (local mode) on top, a new key every call:
+//!   body and completed record (one insert) commit together;
 //! - `external`: `#[idempotent(mode = external)]`, a new key every call: the
 //!   claim commits first, then the body and the response;
 //! - `replay`: the local handler called again with a key it already completed:
-//!   the stored response comes back without running the body.
+//!   the stored response comes back without running the body;
+//! - `handwritten`: what teams write by hand (brandur's Stripe-style keys, the
+//!   Powertools pattern): the key row is inserted and committed first, then
+//!   the handler and the `UPDATE` that completes the key row commit together
+//!   (two commits), a new key every call.
 //!
-//! Each contender has its own pool of one connection. They run interleaved,
-//! round-robin within each iteration with a rotating first place, so drift on
-//! a shared machine hits all four alike. The last line is machine-readable:
-//! `bare_us=.. local_us=.. external_us=.. replay_us=.. local_ratio=.. replay_ratio=..`
-//! (medians in µs; ratios of the local and replay medians to the bare one).
+//! Each contender has its own pool of one connection per caller. They run
+//! interleaved, round-robin within each iteration with a rotating first
+//! place, so drift on a shared machine hits all five alike; `--concurrency N`
+//! runs N such callers at once. The last line is machine-readable:
+//! `bare_us=.. local_us=.. external_us=.. replay_us=.. handwritten_us=..
+//! local_ratio=.. replay_ratio=.. handwritten_ratio=..` (medians in µs;
+//! local and replay against bare, handwritten_ratio = local / handwritten).
 
 #[path = "common/bench.rs"]
 mod bench;
@@ -65,6 +71,13 @@ const SCHEMA: &str = "
         currency  text   NOT NULL,
         merchant  text   NOT NULL
     );
+    DROP TABLE IF EXISTS bench_idempotent_keys;
+    CREATE TABLE bench_idempotent_keys (
+        key         text PRIMARY KEY,
+        fingerprint text NOT NULL,
+        state       text NOT NULL,
+        response    jsonb
+    );
     CREATE TABLE bench_idempotent_outbox (
         id            bigserial PRIMARY KEY,
         event_key     text  NOT NULL UNIQUE,
@@ -76,7 +89,7 @@ const SCHEMA: &str = "
 
 /// This benchmark's key space in `idem_requests`, emptied at start and end.
 const SCOPE: &str = "bench_idempotent";
-const NAMES: [&str; 4] = ["bare", "local", "external", "replay"];
+const NAMES: [&str; 5] = ["bare", "local", "external", "replay", "handwritten"];
 
 #[derive(Debug, thiserror::Error)]
 enum AppError {
@@ -174,10 +187,41 @@ async fn pay_external(db: &mut Deferred<'_>, cmd: &PaymentCmd) -> Result<Payment
     write_payment(db.conn().await?, cmd).await
 }
 
-/// One pool of one connection per contender, so none reuses another's
-/// prepared statements or waits behind its traffic.
+/// The hand-written pattern: claim the key in its own commit, then run the
+/// handler and complete the key row in a second transaction.
+async fn pay_handwritten(pool: &Pool, cmd: &PaymentCmd) -> Result<Payment, AppError> {
+    use diesel::sql_types::{Jsonb, Text};
+    use std::ops::DerefMut;
+    let mut conn = pool.get().await.map_err(idem::Error::from)?;
+    let fingerprint = format!("{}:{}:{}", cmd.amount, cmd.currency, cmd.merchant);
+    let claimed = diesel::sql_query(
+        "INSERT INTO bench_idempotent_keys (key, fingerprint, state) VALUES ($1, $2, 'started') \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind::<Text, _>(&cmd.idempotency_key)
+    .bind::<Text, _>(&fingerprint)
+    .execute(&mut *conn)
+    .await?;
+    assert_eq!(claimed, 1, "the benchmark sends new keys only");
+    conn.deref_mut()
+        .transaction(async |conn| {
+            let payment = write_payment(conn, cmd).await?;
+            diesel::sql_query(
+                "UPDATE bench_idempotent_keys SET state = 'done', response = $2 WHERE key = $1",
+            )
+            .bind::<Text, _>(&cmd.idempotency_key)
+            .bind::<Jsonb, _>(json!(payment))
+            .execute(conn)
+            .await?;
+            Ok(payment)
+        })
+        .await
+}
+
+/// One caller: a pool of one connection per contender, so none reuses
+/// another's prepared statements or waits behind its traffic.
 struct Contenders {
-    pools: [Pool; 4],
+    pools: [Pool; 5],
     /// The key the replay contender repeats, completed during setup.
     replayed: PaymentCmd,
     next_id: i64,
@@ -213,6 +257,10 @@ impl Contenders {
                 let answer = pay_external(pool, cmd).await.expect("external");
                 (answer.value, answer.replayed)
             }
+            (4, Some(cmd)) => (
+                pay_handwritten(pool, cmd).await.expect("handwritten"),
+                false,
+            ),
             _ => {
                 let answer = pay_local(pool, &self.replayed).await.expect("replay");
                 (answer.value, answer.replayed)
@@ -227,10 +275,47 @@ impl Contenders {
 }
 
 async fn reset_scope(conn: &mut AsyncPgConnection) -> QueryResult<usize> {
+    let scope = idem::idempotency::scope_hash(&SCOPE).expect("a string scope");
     diesel::sql_query("DELETE FROM idem_requests WHERE scope = $1")
-        .bind::<diesel::sql_types::Text, _>(serde_json::to_string(SCOPE).expect("a string"))
+        .bind::<diesel::sql_types::Text, _>(scope)
         .execute(conn)
         .await
+}
+
+/// One caller's samples per contender: its own pools and key range, the
+/// contenders interleaved with a rotating first place.
+async fn caller(url: String, caller: i64, iterations: usize, warmup: usize) -> [Vec<Duration>; 5] {
+    let one = PoolConfig {
+        max_size: 1,
+        ..PoolConfig::default()
+    };
+    let pool = || build_pool_with(&url, &one).expect("pool");
+    let mut c = Contenders {
+        pools: [pool(), pool(), pool(), pool(), pool()],
+        replayed: PaymentCmd {
+            idempotency_key: format!("replay-{caller}"),
+            amount: 3000,
+            currency: "CNY",
+            merchant: "demo",
+            payment_id: caller * 1_000_000_000,
+        },
+        next_id: caller * 1_000_000_000,
+    };
+    let first = pay_local(&c.pools[3], &c.replayed)
+        .await
+        .expect("the replayed key's first call");
+    assert!(!first.replayed);
+    let mut samples: [Vec<Duration>; 5] = Default::default();
+    for i in 0..warmup + iterations {
+        for slot in 0..5 {
+            let which = (i + slot) % 5;
+            let elapsed = c.call(which).await;
+            if i >= warmup {
+                samples[which].push(elapsed);
+            }
+        }
+    }
+    samples
 }
 
 #[tokio::main]
@@ -243,48 +328,29 @@ async fn main() {
     setup.batch_execute(SCHEMA).await.expect("create schema");
     reset_scope(&mut setup).await.expect("reset key space");
 
-    let one = PoolConfig {
-        max_size: 1,
-        ..PoolConfig::default()
-    };
-    let pool = || build_pool_with(&url, &one).expect("pool");
-    let mut c = Contenders {
-        pools: [pool(), pool(), pool(), pool()],
-        replayed: PaymentCmd {
-            idempotency_key: "replay-0".to_owned(),
-            amount: 3000,
-            currency: "CNY",
-            merchant: "demo",
-            payment_id: 0,
-        },
-        next_id: 0,
-    };
-    let first = pay_local(&c.pools[3], &c.replayed)
-        .await
-        .expect("the replayed key's first call");
-    assert!(!first.replayed);
-
-    let mut samples: [Vec<Duration>; 4] = Default::default();
-    for i in 0..args.warmup + args.iterations {
-        for slot in 0..4 {
-            let which = (i + slot) % 4;
-            let elapsed = c.call(which).await;
-            if i >= args.warmup {
-                samples[which].push(elapsed);
-            }
+    let callers: Vec<_> = (0..args.concurrency as i64)
+        .map(|n| tokio::spawn(caller(url.clone(), n, args.iterations, args.warmup)))
+        .collect();
+    let mut samples: [Vec<Duration>; 5] = Default::default();
+    for task in callers {
+        for (all, mine) in samples
+            .iter_mut()
+            .zip(task.await.expect("a caller panicked"))
+        {
+            all.extend(mine);
         }
     }
     reset_scope(&mut setup).await.expect("clean up key space");
 
     println!(
-        "{} iterations per contender after {} warm-up, interleaved",
-        args.iterations, args.warmup
+        "{} iterations per contender after {} warm-up, interleaved, concurrency={}",
+        args.iterations, args.warmup, args.concurrency
     );
     println!(
         "{:<10} {:>10} {:>10} {:>10} {:>8}",
         "contender", "median_us", "p90_us", "p99_us", "vs_bare"
     );
-    let mut medians = [0.0; 4];
+    let mut medians = [0.0; 5];
     for (which, s) in samples.iter_mut().enumerate() {
         s.sort();
         medians[which] = percentile_us(s, 0.5);
@@ -299,10 +365,12 @@ async fn main() {
             medians[which] / medians[0]
         );
     }
-    let [bare, local, external, replay] = medians;
+    let [bare, local, external, replay, handwritten] = medians;
     println!(
-        "bare_us={bare:.1} local_us={local:.1} external_us={external:.1} replay_us={replay:.1} local_ratio={:.2} replay_ratio={:.2}",
+        "bare_us={bare:.1} local_us={local:.1} external_us={external:.1} replay_us={replay:.1} \
+         handwritten_us={handwritten:.1} local_ratio={:.2} replay_ratio={:.2} handwritten_ratio={:.2}",
         local / bare,
-        replay / bare
+        replay / bare,
+        local / handwritten
     );
 }

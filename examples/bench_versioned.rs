@@ -185,6 +185,7 @@ async fn prepared_updates(conn: &mut AsyncPgConnection) -> usize {
 #[tokio::main]
 async fn main() {
     let args = parse_args();
+    assert_eq!(args.concurrency, 1, "this benchmark runs one caller");
     let url = common::database_url().await;
 
     let mut setup = AsyncPgConnection::establish(&url).await.expect("connect");

@@ -17,7 +17,12 @@
 //! `--reap-every` seconds (default 60) purges expired idempotency records.
 //! Retention and lease: see `examples/ledger/app/admin.rs`.
 //!
-//! The endpoints are listed in `examples/ledger/app/api.rs`.
+//! The endpoints are listed in `examples/ledger/app/api.rs`, the input
+//! limits in `examples/ledger/app/limits.rs`.
+//!
+//! The log (`tracing` events, the ledger's and idem's) goes to stderr at
+//! `info` and above; `RUST_LOG` overrides, e.g. `RUST_LOG=idem=debug,info`.
+//! A 500 is logged there with its cause, never sent to the client.
 
 #[path = "ledger/app/mod.rs"]
 mod app;
@@ -29,6 +34,7 @@ use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use idem::pool::{build_pool_with, PoolConfig};
+use tracing_subscriber::EnvFilter;
 
 const USAGE: &str =
     "usage: ledger [--port N] [--keep] [--reap-every SECONDS] | --reconcile | --reap";
@@ -84,8 +90,24 @@ fn command() -> Result<Command, String> {
     }))
 }
 
+/// The log: stderr (stdout is the jobs' report), `RUST_LOG` or `info`.
+fn install_log() {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+            eprintln!("ledger: RUST_LOG={spec:?} is not a filter ({e}); logging at info");
+            EnvFilter::new("info")
+        }),
+        Err(_) => EnvFilter::new("info"),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
+    install_log();
     let command = match command() {
         Ok(command) => command,
         Err(message) => {
@@ -128,7 +150,7 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
                     d.kind,
                     d.cached,
                     d.from_entries,
-                    d.cached - d.from_entries
+                    i128::from(d.cached) - d.from_entries
                 );
             }
             if report.is_clean() {
@@ -182,13 +204,13 @@ async fn reaper(url: String, every: Duration) {
         let reaped = match AsyncPgConnection::establish(&url).await {
             Ok(mut conn) => app::admin::reap(&mut conn).await,
             Err(e) => {
-                eprintln!("reaper: could not connect: {e}");
+                tracing::warn!(error = %e, "reaper: could not connect; trying again next tick");
                 continue;
             }
         };
         match reaped {
             Ok(reaped) => print_reaped(&reaped, false),
-            Err(e) => eprintln!("reaper: {e}"),
+            Err(e) => tracing::error!(error = %e, "reaper: the purge failed"),
         }
     }
 }

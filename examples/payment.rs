@@ -199,7 +199,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     conn.batch_execute(SCHEMA).await?;
     // This example's key space starts empty too.
     diesel::sql_query("DELETE FROM idem_requests WHERE scope = $1")
-        .bind::<diesel::sql_types::Text, _>(serde_json::to_string(TENANT)?)
+        .bind::<diesel::sql_types::Text, _>(idem::idempotency::scope_hash(&TENANT)?)
         .execute(&mut conn)
         .await?;
 

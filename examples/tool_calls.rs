@@ -289,7 +289,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     conn.batch_execute(SCHEMA).await?;
     // This example's key space (its user and conversation) starts empty too.
     diesel::sql_query("DELETE FROM idem_requests WHERE scope = $1")
-        .bind::<diesel::sql_types::Text, _>(serde_json::to_string(&(USER, CONVERSATION))?)
+        .bind::<diesel::sql_types::Text, _>(idem::idempotency::scope_hash(&(USER, CONVERSATION))?)
         .execute(&mut conn)
         .await?;
     let pool = idem::pool::build_pool(&url)?;

@@ -31,7 +31,8 @@
 //! | [`Error::InProgress`] | 409, `Retry-After: 1` | [`problem_type::IN_PROGRESS`] |
 //! | [`Error::OutcomeUnknown`] (external mode) | 502 | [`problem_type::OUTCOME_UNKNOWN`] |
 //! | [`Error::ClaimLost`] (external mode) | 409 | [`problem_type::IN_PROGRESS`] |
-//! | [`Error::Exhausted`] | 409 | [`problem_type::RETRIES_EXHAUSTED`] |
+//! | [`Error::Exhausted`] (lost races) | 409 | [`problem_type::RETRIES_EXHAUSTED`] |
+//! | [`Error::Exhausted`] (the deadline passed: [`RetryCause::is_timeout`](crate::RetryCause::is_timeout)) | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |
 //! | [`Error::CommitUnknown`] (wherever the commit was) | 503, `Retry-After: 1` | [`problem_type::COMMIT_OUTCOME_UNKNOWN`] |
 //! | [`Error::Pool`] | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |
 //! | `If-Match` missing where required | 428 | [`problem_type::PRECONDITION_REQUIRED`] |

@@ -1,7 +1,9 @@
 //! Random sequences of top-ups and transfers over three customers, sent over
 //! HTTP to the ledger example: after every operation the books balance, every
 //! cached balance equals its entries, the customers' balances add up to what
-//! was topped up, and each answer is the one a plain model predicts.
+//! was topped up, and each answer is the one a plain model predicts. Amounts
+//! include the hostile ones: zero, negative, above the largest accepted, and
+//! the ends of i64.
 
 #[path = "../examples/ledger/app/mod.rs"]
 #[allow(dead_code)]
@@ -18,6 +20,23 @@ use testkit::Ledger;
 
 const EUR: &str = "EUR";
 const USERS: usize = 3;
+/// `examples/ledger/app/limits.rs`: the largest amount of one movement.
+const MAX_AMOUNT: i64 = 1_000_000_000_000;
+
+/// Mostly ordinary amounts; sometimes one the ledger must refuse.
+fn amount(ordinary: std::ops::RangeInclusive<i64>) -> impl Strategy<Value = i64> {
+    prop_oneof![
+        8 => ordinary,
+        1 => prop_oneof![
+            Just(i64::MAX),
+            Just(i64::MIN),
+            Just(MAX_AMOUNT),
+            Just(MAX_AMOUNT + 1),
+            (MAX_AMOUNT + 1)..=i64::MAX,
+            i64::MIN..=0,
+        ],
+    ]
+}
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -27,9 +46,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        (0..USERS, 1..=500i64).prop_map(|(user, amount)| Op::TopUp { user, amount }),
+        (0..USERS, amount(1..=500)).prop_map(|(user, amount)| Op::TopUp { user, amount }),
         // Self-transfers, overdrafts and non-positive amounts included.
-        (0..USERS, 0..USERS, -20..=400i64).prop_map(|(from, to, amount)| Op::Transfer {
+        (0..USERS, 0..USERS, amount(-20..=400)).prop_map(|(from, to, amount)| Op::Transfer {
             from,
             to,
             amount
@@ -40,8 +59,9 @@ fn op() -> impl Strategy<Value = Op> {
 /// What a correct ledger answers, from the balances alone.
 fn expected_status(op: &Op, balances: &[i64; USERS]) -> u16 {
     match *op {
+        Op::TopUp { amount, .. } | Op::Transfer { amount, .. } if amount <= 0 => 400,
+        Op::TopUp { amount, .. } | Op::Transfer { amount, .. } if amount > MAX_AMOUNT => 422,
         Op::TopUp { .. } => 201,
-        Op::Transfer { amount, .. } if amount <= 0 => 400,
         Op::Transfer { from, to, .. } if from == to => 422,
         Op::Transfer { from, amount, .. } if balances[from] < amount => 422,
         Op::Transfer { .. } => 201,

@@ -2,16 +2,19 @@
 
 use std::time::Duration;
 
-/// `[--iterations N] [--warmup N]` (also `--name=N`).
+/// `[--iterations N] [--warmup N] [--concurrency N]` (also `--name=N`).
 pub struct Args {
     pub iterations: usize,
     pub warmup: usize,
+    /// Callers at once (benchmarks that run several; the others refuse it).
+    pub concurrency: usize,
 }
 
 pub fn parse_args() -> Args {
     let mut args = Args {
         iterations: 2000,
         warmup: 200,
+        concurrency: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -22,7 +25,10 @@ pub fn parse_args() -> Args {
         let slot = match name.as_str() {
             "--iterations" => &mut args.iterations,
             "--warmup" => &mut args.warmup,
-            other => panic!("unknown argument {other:?}; usage: [--iterations N] [--warmup N]"),
+            "--concurrency" => &mut args.concurrency,
+            other => panic!(
+                "unknown argument {other:?}; usage: [--iterations N] [--warmup N] [--concurrency N]"
+            ),
         };
         let value = inline.or_else(|| it.next());
         *slot = value
@@ -30,6 +36,7 @@ pub fn parse_args() -> Args {
             .unwrap_or_else(|| panic!("{name} needs a number"));
     }
     assert!(args.iterations > 0, "--iterations must be positive");
+    assert!(args.concurrency > 0, "--concurrency must be positive");
     args
 }
 

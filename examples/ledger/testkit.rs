@@ -170,21 +170,38 @@ pub struct Client {
     addr: SocketAddr,
 }
 
+/// One HTTP response as bytes, for requests that may not answer JSON.
+#[derive(Debug, Clone)]
+pub struct RawReply {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl RawReply {
+    /// A header as text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
 impl Client {
-    /// Sends one request on a new connection and reads the whole response.
-    pub async fn request(
+    /// Sends one request on a new connection, exactly as given (headers as
+    /// bytes, the body as is, no content type added), and reads the whole
+    /// response; `Err` says why there was none (a dropped connection).
+    pub async fn send(
         &self,
         method: Method,
         path: &str,
-        headers: &[(&str, &str)],
-        body: Option<&Value>,
-    ) -> Reply {
+        headers: &[(&str, &[u8])],
+        body: impl Into<Bytes>,
+    ) -> Result<RawReply, String> {
         let stream = tokio::net::TcpStream::connect(self.addr)
             .await
-            .expect("connect to the server");
+            .map_err(|e| format!("connect: {e}"))?;
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .expect("HTTP handshake");
+            .map_err(|e| format!("handshake: {e}"))?;
         tokio::spawn(connection);
         let mut request = Request::builder()
             .method(method)
@@ -193,25 +210,56 @@ impl Client {
         for (name, value) in headers {
             request = request.header(*name, *value);
         }
+        let request = request
+            .body(Full::new(body.into()))
+            .map_err(|e| format!("request: {e}"))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| format!("no response: {e}"))?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("{status}: the body broke off: {e}"))?
+            .to_bytes();
+        Ok(RawReply {
+            status,
+            headers,
+            body,
+        })
+    }
+
+    /// Sends one request on a new connection and reads the whole response,
+    /// which must be JSON (or empty).
+    pub async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&Value>,
+    ) -> Reply {
+        let mut raw: Vec<(&str, &[u8])> = headers
+            .iter()
+            .map(|(name, value)| (*name, value.as_bytes()))
+            .collect();
         let payload = match body {
             Some(body) => {
-                request = request.header("content-type", "application/json");
+                raw.push(("content-type", b"application/json"));
                 Bytes::from(serde_json::to_vec(body).expect("JSON"))
             }
             None => Bytes::new(),
         };
-        let response = sender
-            .send_request(request.body(Full::new(payload)).expect("a request"))
+        let RawReply {
+            status,
+            headers,
+            body: bytes,
+        } = self
+            .send(method, path, &raw, payload)
             .await
-            .expect("a response");
-        let status = response.status().as_u16();
-        let headers = response.headers().clone();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("the body")
-            .to_bytes();
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
         let body = if bytes.is_empty() {
             Value::Null
         } else {

@@ -15,9 +15,17 @@
 //! statement that failed. PostgreSQL answers `COMMIT` in a transaction whose
 //! statement failed with a silent `ROLLBACK`; the watch is how a body that
 //! swallowed such an error is caught before `COMMIT` is sent.
+//!
+//! A transaction of the retry loop is bounded at the server: its `BEGIN`
+//! carries `SET LOCAL statement_timeout` and `SET LOCAL lock_timeout`
+//! ([`Timeouts`]) in the same simple query, so the bound costs no round trip,
+//! and, being transaction-scoped, ends with the transaction: nothing is left
+//! on the pooled connection (and it holds behind PgBouncer's transaction
+//! pooling).
 
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use diesel::connection::{Instrumentation, InstrumentationEvent};
 use diesel::result::Error as DieselError;
@@ -27,7 +35,7 @@ use diesel_async::{
 };
 
 use crate::pool::PooledConnection;
-use crate::retry::{Isolation, RetryCause, Transient};
+use crate::retry::{own_timeout, Isolation, RetryCause, Transient};
 
 /// One open transaction. Dropping it while open (the caller's future was
 /// cancelled) cancels the statement the server may still run for it and
@@ -55,13 +63,82 @@ pub(crate) enum CommitFailure {
 /// Why `BEGIN` failed; the connection is already discarded.
 pub(crate) struct BeginFailure(pub(crate) DieselError);
 
+/// The server's bounds on the statements of one transaction, in whole
+/// milliseconds, never 0 (which PostgreSQL reads as "no timeout").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Timeouts {
+    statement_ms: u32,
+    lock_ms: u32,
+}
+
+impl Timeouts {
+    /// The bounds of a transaction begun with `left` before the call's
+    /// deadline: every statement is cancelled once it has run that long, so
+    /// none outlives the deadline by more than the time between `BEGIN` and
+    /// its own start. A lock wait gives up at half of it, leaving time to back
+    /// off and replay, except on the `last` attempt the budget allows, which
+    /// may wait to the end (its statement timeout then comes first).
+    pub(crate) fn within(left: Duration, last: bool) -> Timeouts {
+        let statement_ms = left.as_millis().clamp(1, i32::MAX as u128) as u32;
+        let lock_ms = if last {
+            statement_ms
+        } else {
+            (statement_ms / 2).max(1)
+        };
+        Timeouts {
+            statement_ms,
+            lock_ms,
+        }
+    }
+
+    fn statement(self) -> Duration {
+        Duration::from_millis(self.statement_ms.into())
+    }
+
+    fn lock(self) -> Duration {
+        Duration::from_millis(self.lock_ms.into())
+    }
+
+    /// `BEGIN` and both settings as one simple query: one round trip. Only
+    /// integers we formatted ourselves go into it.
+    fn begin_sql(self, isolation: Isolation) -> String {
+        format!(
+            "{}; SET LOCAL statement_timeout = '{}ms'; SET LOCAL lock_timeout = '{}ms'",
+            isolation.begin_sql(),
+            self.statement_ms,
+            self.lock_ms
+        )
+    }
+}
+
 impl Tx {
-    /// `BEGIN` with `isolation` on a connection fresh from the pool.
+    /// `BEGIN` with `isolation` on a connection fresh from the pool, with
+    /// the server's default timeouts.
     pub(crate) async fn begin(
-        mut conn: PooledConnection,
+        conn: PooledConnection,
         isolation: Isolation,
     ) -> Result<Tx, BeginFailure> {
-        let watch = Arc::new(Mutex::new(WatchState::default()));
+        Tx::start(conn, isolation, None).await
+    }
+
+    /// `BEGIN` with `isolation`, its statements bounded by `timeouts`.
+    pub(crate) async fn begin_bounded(
+        conn: PooledConnection,
+        isolation: Isolation,
+        timeouts: Timeouts,
+    ) -> Result<Tx, BeginFailure> {
+        Tx::start(conn, isolation, Some(timeouts)).await
+    }
+
+    async fn start(
+        mut conn: PooledConnection,
+        isolation: Isolation,
+        timeouts: Option<Timeouts>,
+    ) -> Result<Tx, BeginFailure> {
+        let watch = Arc::new(Mutex::new(WatchState {
+            timeouts,
+            ..WatchState::default()
+        }));
         AsyncConnection::set_instrumentation(
             &mut *conn,
             Watch {
@@ -74,8 +151,11 @@ impl Tx {
             open: false,
             watch,
         };
-        match AnsiTransactionManager::begin_transaction_sql(tx.conn(), isolation.begin_sql()).await
-        {
+        let sql = match timeouts {
+            Some(timeouts) => Cow::Owned(timeouts.begin_sql(isolation)),
+            None => Cow::Borrowed(isolation.begin_sql()),
+        };
+        match AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await {
             Ok(()) => {
                 tx.open = true;
                 Ok(tx)
@@ -242,12 +322,18 @@ impl Drop for Tx {
 
 /// What the watch knows of the transaction: diesel's depth as its events
 /// tell it, the shallowest depth at which a statement failed, and whether
-/// that failure is worth replaying the transaction for.
+/// that failure is worth replaying the transaction for; and, to tell the
+/// expiry of its own timeouts from the body's, since when a statement runs.
 #[derive(Debug, Default)]
 struct WatchState {
     depth: u32,
     failed_at: Option<u32>,
     cause: Option<RetryCause>,
+    timeouts: Option<Timeouts>,
+    /// Statements started and not finished (more than one when a body
+    /// pipelines them), and when the oldest of them started.
+    running: u32,
+    since: Option<Instant>,
 }
 
 /// The instrumentation a transaction's connection carries while it is open;
@@ -274,14 +360,30 @@ impl Instrumentation for Watch {
                     }
                     state.depth = depth.get() - 1;
                 }
-                InstrumentationEvent::FinishQuery {
-                    error: Some(err @ DieselError::DatabaseError(..)),
-                    ..
-                } if state.depth > 0 => {
+                InstrumentationEvent::StartQuery { .. } => {
+                    if state.running == 0 {
+                        state.since = Some(Instant::now());
+                    }
+                    state.running += 1;
+                }
+                InstrumentationEvent::FinishQuery { error, .. } => {
+                    // From the oldest running statement's start: a pipelined
+                    // statement may seem to have run longer than it did,
+                    // which errs towards replaying within the budget.
+                    let ran = state.since.map_or(Duration::ZERO, |since| since.elapsed());
+                    state.running = state.running.saturating_sub(1);
+                    if state.running == 0 {
+                        state.since = None;
+                    }
                     let at = state.depth;
-                    if state.failed_at.is_none_or(|f| at < f) {
-                        state.failed_at = Some(at);
-                        state.cause = err.transient();
+                    if let Some(err @ DieselError::DatabaseError(..)) = error {
+                        if at > 0 && state.failed_at.is_none_or(|f| at < f) {
+                            state.failed_at = Some(at);
+                            state.cause = state
+                                .timeouts
+                                .and_then(|t| own_timeout(err, ran, t.statement(), t.lock()))
+                                .or_else(|| err.transient());
+                        }
                     }
                 }
                 _ => {}
@@ -290,5 +392,36 @@ impl Instrumentation for Watch {
         if let Some(inner) = self.inner.as_mut() {
             inner.on_connection_event(event);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_are_whole_milliseconds_and_never_zero() {
+        let t = Timeouts::within(Duration::from_millis(300), false);
+        assert_eq!((t.statement_ms, t.lock_ms), (300, 150));
+        assert_eq!(
+            t.begin_sql(Isolation::Serializable),
+            "BEGIN ISOLATION LEVEL SERIALIZABLE; SET LOCAL statement_timeout = '300ms'; \
+             SET LOCAL lock_timeout = '150ms'"
+        );
+        // The last attempt may wait for a lock as long as it may run.
+        let t = Timeouts::within(Duration::from_millis(300), true);
+        assert_eq!((t.statement_ms, t.lock_ms), (300, 300));
+        // 0 would mean no timeout at all.
+        for left in [
+            Duration::ZERO,
+            Duration::from_micros(999),
+            Duration::from_millis(1),
+        ] {
+            let t = Timeouts::within(left, false);
+            assert_eq!((t.statement_ms, t.lock_ms), (1, 1), "{left:?}");
+        }
+        // Beyond what the server accepts (an int of milliseconds): its largest.
+        let t = Timeouts::within(Duration::MAX, false);
+        assert_eq!(t.statement_ms, i32::MAX as u32);
     }
 }

@@ -42,7 +42,8 @@ pub mod problem_type {
     /// 503: the connection failed while the commit was in flight; retry with
     /// the same `Idempotency-Key`, whose record tells whether it committed.
     pub const COMMIT_OUTCOME_UNKNOWN: &str = "urn:idem:problem:commit-outcome-unknown";
-    /// 503: no database connection was free in time; nothing was done.
+    /// 503: no database connection was free in time, or the request's
+    /// deadline passed while it waited on the database; nothing was done.
     pub const UNAVAILABLE: &str = "urn:idem:problem:unavailable";
     /// 422: the response could not be stored under the key; nothing was done.
     pub const RESPONSE_UNSTORABLE: &str = "urn:idem:problem:response-unstorable";
@@ -343,6 +344,23 @@ impl From<&Error> for Problem {
                 ),
             ),
             Error::Exhausted {
+                attempts,
+                elapsed,
+                last_cause,
+            } if last_cause.is_timeout() => Problem::new(
+                status_of(e),
+                problem_type::UNAVAILABLE,
+                "Deadline exceeded",
+                format!(
+                    "the database could not finish the request within its deadline ({} ms, {attempts} \
+                     attempt(s)): rows it needed stayed locked, or a statement ran long; nothing \
+                     was committed, retry later",
+                    elapsed.as_millis()
+                ),
+            )
+            .with("attempts", *attempts)
+            .retry_after(1),
+            Error::Exhausted {
                 attempts, elapsed, ..
             } => Problem::new(
                 status_of(e),
@@ -491,6 +509,16 @@ mod tests {
                 .into(),
                 409,
                 problem_type::RETRIES_EXHAUSTED,
+            ),
+            (
+                Error::Exhausted {
+                    attempts: 2,
+                    elapsed: Duration::from_millis(800),
+                    last_cause: RetryCause::LockTimeout,
+                }
+                .into(),
+                503,
+                problem_type::UNAVAILABLE,
             ),
             (
                 Error::CommitUnknown {

@@ -20,13 +20,15 @@ pub trait HttpStatus {
 impl HttpStatus for Error {
     /// 400 for a bad key, 409 for a conflict that a later retry may win,
     /// 422 for a key reused for another request or a response that cannot
-    /// be stored under its key, 502 when an outside system
-    /// may have acted, 503 when the database is busy or unreachable or the
-    /// commit's outcome is unknown (retry with the same key), 500 otherwise.
+    /// be stored under its key, 502 when an outside system may have acted,
+    /// 503 when the database is busy (the call's deadline passed) or
+    /// unreachable or the commit's outcome is unknown (retry with the same
+    /// key), 500 otherwise.
     fn http_status(&self) -> u16 {
         match self {
             Error::InvalidKey { .. } | Error::MissingKey => 400,
             Error::FingerprintMismatch | Error::Unstorable(_) => 422,
+            Error::Exhausted { last_cause, .. } if last_cause.is_timeout() => 503,
             Error::Exhausted { .. } | Error::InProgress | Error::ClaimLost => 409,
             Error::OutcomeUnknown => 502,
             Error::CommitUnknown { .. } | Error::Pool(_) => 503,

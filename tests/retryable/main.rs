@@ -29,6 +29,8 @@ use tokio::sync::Barrier;
 mod budget;
 mod closure_form;
 mod connections;
+mod deadline;
+mod deadline_external;
 mod nesting;
 mod not_replayed;
 mod replayed;

@@ -21,34 +21,53 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::idempotency::{purge_expired, PurgeReport};
 
 /// An account whose cached balance is not the sum of its entries.
-#[derive(Debug, Clone, PartialEq, Eq, QueryableByName)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Drift {
-    #[diesel(sql_type = BigInt)]
     pub account_id: i64,
-    #[diesel(sql_type = BigInt)]
     pub tenant_id: i64,
-    #[diesel(sql_type = Text)]
     pub kind: String,
     /// `accounts.balance`.
-    #[diesel(sql_type = BigInt)]
     pub cached: i64,
-    /// `Σ CREDIT − Σ DEBIT` of its entries.
-    #[diesel(sql_type = BigInt)]
-    pub from_entries: i64,
+    /// `Σ CREDIT − Σ DEBIT` of its entries: an `i128`, since drift can put
+    /// it anywhere.
+    pub from_entries: i128,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, QueryableByName)]
+// Sums of bigint are numeric in PostgreSQL and can pass i64 (Σ DEBIT over a
+// whole ledger does, in time): they are read as text into i128 rather than
+// cast to bigint, which failed the job with "bigint out of range".
+#[derive(QueryableByName)]
+struct DriftRow {
+    #[diesel(sql_type = BigInt)]
+    account_id: i64,
+    #[diesel(sql_type = BigInt)]
+    tenant_id: i64,
+    #[diesel(sql_type = Text)]
+    kind: String,
+    #[diesel(sql_type = BigInt)]
+    cached: i64,
+    #[diesel(sql_type = Text)]
+    from_entries: String,
+}
+
+#[derive(QueryableByName)]
 struct Totals {
     #[diesel(sql_type = BigInt)]
     accounts: i64,
     #[diesel(sql_type = BigInt)]
     entries: i64,
-    #[diesel(sql_type = BigInt)]
-    debits: i64,
-    #[diesel(sql_type = BigInt)]
-    credits: i64,
+    #[diesel(sql_type = Text)]
+    debits: String,
+    #[diesel(sql_type = Text)]
+    credits: String,
     #[diesel(sql_type = BigInt)]
     unbalanced_movements: i64,
+}
+
+/// A numeric sum, as PostgreSQL prints it, as an i128.
+fn sum(text: &str) -> QueryResult<i128> {
+    text.parse()
+        .map_err(|e| diesel::result::Error::DeserializationError(Box::new(e)))
 }
 
 /// What `--reconcile` found, from one snapshot.
@@ -57,9 +76,9 @@ pub struct Reconciliation {
     pub accounts: i64,
     pub entries: i64,
     /// `Σ DEBIT` over every entry.
-    pub debits: i64,
+    pub debits: i128,
     /// `Σ CREDIT` over every entry.
-    pub credits: i64,
+    pub credits: i128,
     /// Movements whose own debits and credits differ.
     pub unbalanced_movements: i64,
     /// Accounts whose cache drifted from their entries.
@@ -75,8 +94,8 @@ impl Reconciliation {
 
 const DRIFT: &str = "
     SELECT a.id AS account_id, a.tenant_id, a.kind, a.balance AS cached,
-           coalesce(sum(CASE e.direction WHEN 'CREDIT' THEN e.amount ELSE -e.amount END), 0)::bigint
-               AS from_entries
+           coalesce(sum(CASE e.direction WHEN 'CREDIT' THEN e.amount ELSE -e.amount END), 0)
+               ::text AS from_entries
       FROM ledger_accounts a LEFT JOIN ledger_entries e ON e.account_id = a.id
      GROUP BY a.id
     HAVING a.balance <> coalesce(sum(CASE e.direction WHEN 'CREDIT' THEN e.amount ELSE -e.amount END), 0)
@@ -85,8 +104,8 @@ const DRIFT: &str = "
 const TOTALS: &str = "
     SELECT (SELECT count(*) FROM ledger_accounts) AS accounts,
            count(*) AS entries,
-           coalesce(sum(amount) FILTER (WHERE direction = 'DEBIT'), 0)::bigint AS debits,
-           coalesce(sum(amount) FILTER (WHERE direction = 'CREDIT'), 0)::bigint AS credits,
+           coalesce(sum(amount) FILTER (WHERE direction = 'DEBIT'), 0)::text AS debits,
+           coalesce(sum(amount) FILTER (WHERE direction = 'CREDIT'), 0)::text AS credits,
            (SELECT count(*) FROM (
                 SELECT transfer_id FROM ledger_entries GROUP BY transfer_id
                 HAVING sum(CASE direction WHEN 'CREDIT' THEN amount ELSE -amount END) <> 0) u)
@@ -99,13 +118,26 @@ pub async fn reconcile(conn: &mut AsyncPgConnection) -> QueryResult<Reconciliati
     conn.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         .await?;
     let read = async {
-        let drift = diesel::sql_query(DRIFT).load::<Drift>(conn).await?;
+        let drift = diesel::sql_query(DRIFT)
+            .load::<DriftRow>(conn)
+            .await?
+            .into_iter()
+            .map(|row| {
+                Ok(Drift {
+                    account_id: row.account_id,
+                    tenant_id: row.tenant_id,
+                    kind: row.kind,
+                    cached: row.cached,
+                    from_entries: sum(&row.from_entries)?,
+                })
+            })
+            .collect::<QueryResult<_>>()?;
         let totals = diesel::sql_query(TOTALS).get_result::<Totals>(conn).await?;
         Ok(Reconciliation {
             accounts: totals.accounts,
             entries: totals.entries,
-            debits: totals.debits,
-            credits: totals.credits,
+            debits: sum(&totals.debits)?,
+            credits: sum(&totals.credits)?,
             unbalanced_movements: totals.unbalanced_movements,
             drift,
         })
@@ -142,9 +174,11 @@ pub struct Reaped {
 }
 
 const STALE_OR_UNKNOWN: &str = r#"
-    SELECT scope, key, operation, state, to_char(updated_at, 'YYYY-MM-DD"T"HH24:MI:SSOF') AS since
+    SELECT coalesce(scope_label, scope) AS scope, key, operation, state,
+           to_char(updated_at, 'YYYY-MM-DD"T"HH24:MI:SSOF') AS since
       FROM idem_requests
-     WHERE scope LIKE '["ledger",%'
+     -- The label is the readable scope (kept for short ones, as these are).
+     WHERE scope_label LIKE '["ledger",%'
        AND (state = 'unknown' OR (state = 'in_progress' AND lease_until < now()))
      ORDER BY updated_at LIMIT 100"#;
 

@@ -9,8 +9,9 @@
 //! | `POST /transfers` `{"from_account","to_account","amount","currency"}` | `Idempotency-Key` required | 201 movement |
 //!
 //! Every request acts in the tenant of its `X-Tenant-Id` header (default 1).
-//! Errors are `application/problem+json`; a replay answers the first status
-//! and body with `Idempotent-Replayed: true`.
+//! Errors are `application/problem+json`, unknown paths and wrong methods
+//! included (see `guard`); a replay answers the first status and body with
+//! `Idempotent-Replayed: true`. Input limits: `limits`.
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
@@ -24,6 +25,8 @@ use idem::Pool;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
+use super::guard::harden;
+use super::limits::{echo, elide};
 use super::ops::{self, LedgerError, Movement, NewAccountRequest, TopUpRequest, TransferRequest};
 use super::schema::Account;
 
@@ -33,14 +36,16 @@ pub struct AppState {
     pub pool: Pool,
 }
 
-/// The ledger's routes over `pool`.
+/// The ledger's routes over `pool`, behind `guard`.
 pub fn router(pool: Pool) -> Router {
-    Router::new()
-        .route("/accounts", post(open_account))
-        .route("/accounts/{id}", get(get_account).patch(patch_account))
-        .route("/accounts/{id}/top-ups", post(top_up))
-        .route("/transfers", post(transfer))
-        .with_state(AppState { pool })
+    harden(
+        Router::new()
+            .route("/accounts", post(open_account))
+            .route("/accounts/{id}", get(get_account).patch(patch_account))
+            .route("/accounts/{id}/top-ups", post(top_up))
+            .route("/transfers", post(transfer))
+            .with_state(AppState { pool }),
+    )
 }
 
 async fn open_account(
@@ -63,7 +68,7 @@ async fn open_account(
 async fn get_account(
     State(app): State<AppState>,
     Tenant(tenant): Tenant,
-    Path(id): Path<i64>,
+    AccountId(id): AccountId,
 ) -> Result<WithETag<Json<Account>>, LedgerError> {
     let mut conn = app.pool.get().await.map_err(idem::Error::from)?;
     let account = ops::account(&mut conn, tenant, id).await?;
@@ -78,7 +83,7 @@ struct PatchAccount {
 async fn patch_account(
     State(app): State<AppState>,
     Tenant(tenant): Tenant,
-    Path(id): Path<i64>,
+    AccountId(id): AccountId,
     if_match: IfMatch,
     Body(patch): Body<PatchAccount>,
 ) -> Result<WithETag<Json<Account>>, LedgerError> {
@@ -90,7 +95,7 @@ async fn patch_account(
 async fn top_up(
     State(app): State<AppState>,
     Tenant(tenant): Tenant,
-    Path(id): Path<i64>,
+    AccountId(id): AccountId,
     key: IdempotencyKey,
     Body(req): Body<TopUpRequest>,
 ) -> Result<IdempotentResponse<idem::http::StoredResponse<Movement>>, LedgerError> {
@@ -117,9 +122,33 @@ impl IntoResponse for LedgerError {
             LedgerError::Precondition(e) | LedgerError::Versioned(e) => {
                 Problem::from(e).into_response()
             }
-            LedgerError::Idem(e) => Problem::from(e).into_response(),
+            LedgerError::Idem(e) => {
+                let problem = Problem::from(&e);
+                if problem.status().is_server_error() {
+                    tracing::error!(
+                        error = %causes(&e),
+                        debug = ?e,
+                        "an idem error answered with {}",
+                        problem.status()
+                    );
+                }
+                problem.into_response()
+            }
             LedgerError::Db(e) => {
-                eprintln!("ledger: database error answered with 500: {e}");
+                // PostgreSQL's own fields say which row and rule: the cause.
+                let info = match &e {
+                    diesel::result::Error::DatabaseError(_, info) => Some(info),
+                    _ => None,
+                };
+                tracing::error!(
+                    error = %causes(&e),
+                    debug = ?e,
+                    table = info.and_then(|i| i.table_name()),
+                    constraint = info.and_then(|i| i.constraint_name()),
+                    details = info.and_then(|i| i.details()),
+                    hint = info.and_then(|i| i.hint()),
+                    "a database error answered with 500"
+                );
                 Problem::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     problem_type::INTERNAL,
@@ -128,6 +157,41 @@ impl IntoResponse for LedgerError {
                 )
                 .into_response()
             }
+        }
+    }
+}
+
+/// `e` and its sources, outermost first: what the log says of a 500.
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// An account id from the path. One that is not an integer (or not one
+/// that fits i64) names no account: 404, like an id that does not exist.
+pub struct AccountId(pub i64);
+
+impl<S: Send + Sync> FromRequestParts<S> for AccountId {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Problem> {
+        match Path::<i64>::from_request_parts(parts, state).await {
+            Ok(Path(id)) => Ok(AccountId(id)),
+            Err(_) => Err(Problem::new(
+                StatusCode::NOT_FOUND,
+                problem_type::NOT_FOUND,
+                "Not found",
+                format!(
+                    "there is nothing at \"{}\": account ids are integers",
+                    echo(parts.uri.path())
+                ),
+            )),
         }
     }
 }
@@ -173,15 +237,36 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     }
 }
 
+/// 415 for a body that is not declared JSON, 400 for one that does not
+/// parse, 422 for JSON of the wrong shape; serde's message is kept, but
+/// shortened: it quotes the input.
 fn invalid_body(rejection: &JsonRejection) -> Problem {
-    let status = match rejection {
-        JsonRejection::MissingJsonContentType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-        _ => StatusCode::BAD_REQUEST,
+    if let JsonRejection::MissingJsonContentType(_) = rejection {
+        return Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "urn:ledger:problem:unsupported-media-type",
+            "Unsupported media type",
+            "send the body as JSON, with Content-Type: application/json",
+        );
+    }
+    let text = rejection.body_text();
+    // axum's prefixes say what the status already says.
+    let message = [
+        "Failed to parse the request body as JSON: ",
+        "Failed to deserialize the JSON body into the target type: ",
+    ]
+    .iter()
+    .find_map(|prefix| text.strip_prefix(prefix))
+    .unwrap_or(&text);
+    let what = match rejection.status() {
+        StatusCode::BAD_REQUEST => "the body is not valid JSON",
+        StatusCode::UNPROCESSABLE_ENTITY => "the body is not what this endpoint takes",
+        _ => "the body could not be read",
     };
     Problem::new(
-        status,
+        rejection.status(),
         "urn:ledger:problem:invalid-body",
         "Invalid request body",
-        rejection.body_text(),
+        format!("{what}: {}", elide(message, 64, 48)),
     )
 }

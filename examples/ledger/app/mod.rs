@@ -2,5 +2,8 @@
 
 pub mod admin;
 pub mod api;
+pub mod errors;
+pub mod guard;
+pub mod limits;
 pub mod ops;
 pub mod schema;

@@ -1,157 +1,18 @@
 //! What the endpoints do, as functions over a pool: each one retryable, and
 //! the money movements idempotent under the caller's key.
 
-use axum::http::StatusCode;
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idem::http::{IdempotencyKey, Problem, StoredResponse};
-use idem::{idempotent, retryable, IdempotentError, Versioned, VersionedError};
+use idem::http::{IdempotencyKey, StoredResponse};
+use idem::{idempotent, retryable, Versioned, VersionedError};
 use serde::{Deserialize, Serialize};
 
+use super::errors::{check_amount, check_currency, check_metadata, declined};
+pub use super::errors::{Declined, LedgerError};
 use super::schema::{
     ledger_accounts, ledger_entries, ledger_transfers, Account, NewBalance, NewMetadata, CREDIT,
     DEBIT, FUNDING, USER,
 };
-
-/// Why a request was refused. Final: stored under the idempotency key and
-/// replayed to every later request with it, and never writes an entry (the
-/// attempt's transaction is rolled back).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "code", rename_all = "snake_case")]
-pub enum Declined {
-    /// The source account holds less than the amount.
-    InsufficientFunds {
-        account: i64,
-        balance: i64,
-        amount: i64,
-    },
-    /// Source and destination are the same account.
-    SelfTransfer { account: i64 },
-    /// An account's currency is not the request's.
-    CurrencyMismatch {
-        account: i64,
-        account_currency: String,
-        requested: String,
-    },
-    /// No such customer account in this tenant.
-    UnknownAccount { account: i64 },
-    /// The amount is zero or negative.
-    NonPositiveAmount { amount: i64 },
-    /// The amount would overflow the destination's balance.
-    AmountTooLarge { amount: i64 },
-    /// Not an ISO 4217-style code of three capital letters.
-    InvalidCurrency { currency: String },
-}
-
-impl Declined {
-    /// The problem answered for it, the same on every replay.
-    pub fn problem(&self) -> Problem {
-        let (status, kind, title, detail) = match self {
-            Declined::InsufficientFunds {
-                account,
-                balance,
-                amount,
-            } => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "insufficient-funds",
-                "Insufficient funds",
-                format!("account {account} holds {balance}, less than the {amount} requested"),
-            ),
-            Declined::SelfTransfer { account } => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "self-transfer",
-                "Self-transfer",
-                format!("account {account} is both the source and the destination"),
-            ),
-            Declined::CurrencyMismatch {
-                account,
-                account_currency,
-                requested,
-            } => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "currency-mismatch",
-                "Currency mismatch",
-                format!("account {account} holds {account_currency}, not {requested}"),
-            ),
-            Declined::UnknownAccount { account } => (
-                StatusCode::NOT_FOUND,
-                "unknown-account",
-                "Unknown account",
-                format!("there is no account {account}"),
-            ),
-            Declined::NonPositiveAmount { amount } => (
-                StatusCode::BAD_REQUEST,
-                "non-positive-amount",
-                "Non-positive amount",
-                format!("the amount must be a positive number of minor units, not {amount}"),
-            ),
-            Declined::AmountTooLarge { amount } => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "amount-too-large",
-                "Amount too large",
-                format!("an amount of {amount} would overflow the destination's balance"),
-            ),
-            Declined::InvalidCurrency { currency } => (
-                StatusCode::BAD_REQUEST,
-                "invalid-currency",
-                "Invalid currency",
-                format!(
-                    "{currency:?} is not a currency code of three capital letters, like \"EUR\""
-                ),
-            ),
-        };
-        let mut problem = Problem::new(status, format!("urn:ledger:problem:{kind}"), title, detail);
-        // The typed fields, for clients that act on them.
-        if let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(self) {
-            for (name, value) in fields {
-                problem = problem.with(&name, value);
-            }
-        }
-        problem
-    }
-}
-
-/// Everything a ledger operation can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum LedgerError {
-    /// A final business refusal; `replayed` when it is the stored answer of
-    /// an earlier request with the same key.
-    #[error("declined: {reason:?}")]
-    Declined { reason: Declined, replayed: bool },
-    /// The `If-Match` version is no longer the account's: 412, not retried.
-    #[error(transparent)]
-    Precondition(VersionedError),
-    #[error(transparent)]
-    Versioned(#[from] VersionedError),
-    #[error(transparent)]
-    Idem(#[from] idem::Error),
-    #[error(transparent)]
-    Db(#[from] diesel::result::Error),
-}
-
-fn declined(reason: Declined) -> LedgerError {
-    LedgerError::Declined {
-        reason,
-        replayed: false,
-    }
-}
-
-impl IdempotentError for LedgerError {
-    type Final = Declined;
-    fn to_final(&self) -> Option<Declined> {
-        match self {
-            LedgerError::Declined { reason, .. } => Some(reason.clone()),
-            _ => None,
-        }
-    }
-    // idem calls this for replays only.
-    fn from_final(reason: Declined) -> Self {
-        LedgerError::Declined {
-            reason,
-            replayed: true,
-        }
-    }
-}
 
 /// `POST /transfers`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -218,9 +79,8 @@ pub async fn transfer(
     key: &IdempotencyKey,
     req: &TransferRequest,
 ) -> Result<StoredResponse<Movement>, LedgerError> {
-    if req.amount <= 0 {
-        return Err(declined(Declined::NonPositiveAmount { amount: req.amount }));
-    }
+    check_amount(req.amount)?;
+    check_currency(&req.currency)?;
     if req.from_account == req.to_account {
         return Err(declined(Declined::SelfTransfer {
             account: req.from_account,
@@ -263,11 +123,12 @@ pub async fn top_up(
     account: i64,
     req: &TopUpRequest,
 ) -> Result<StoredResponse<Movement>, LedgerError> {
-    if req.amount <= 0 {
-        return Err(declined(Declined::NonPositiveAmount { amount: req.amount }));
-    }
-    // Created here by the first top-up in a currency; a refusal below rolls
-    // that back with the rest of the attempt.
+    // Every input is checked before the first write (the funding account's
+    // insert): an invalid currency must not reach that row's CHECK.
+    check_amount(req.amount)?;
+    check_currency(&req.currency)?;
+    target_currency(conn, tenant, account, &req.currency).await?;
+    // Created here by the first top-up in a currency.
     let funding_id = funding_account(conn, tenant, &req.currency).await?;
     // Both accounts in id order, like every movement (after a conflict these
     // reads lock, and a lock order is what keeps movements from deadlocking).
@@ -286,6 +147,35 @@ pub async fn top_up(
     same_currency(&target, &req.currency)?;
     let movement = post(conn, "top_up", key, &funding, &target, req.amount).await?;
     Ok(StoredResponse::created(movement))
+}
+
+/// Refuses a top-up of an account that is not a customer account of the
+/// tenant, or not in `currency`: a plain read, which takes no lock, so the
+/// lock order of the reads that follow stays the id order.
+async fn target_currency(
+    conn: &mut AsyncPgConnection,
+    tenant: i64,
+    account: i64,
+    currency: &str,
+) -> Result<(), LedgerError> {
+    use ledger_accounts::dsl as a;
+    let found: Option<String> = a::ledger_accounts
+        .filter(a::id.eq(account))
+        .filter(a::tenant_id.eq(tenant))
+        .filter(a::kind.eq(USER))
+        .select(a::currency)
+        .first(conn)
+        .await
+        .optional()?;
+    match found {
+        None => Err(declined(Declined::UnknownAccount { account })),
+        Some(held) if held != currency => Err(declined(Declined::CurrencyMismatch {
+            account,
+            account_currency: held,
+            requested: currency.to_owned(),
+        })),
+        Some(_) => Ok(()),
+    }
 }
 
 /// The id of the tenant's funding account in `currency`, created with the
@@ -366,10 +256,21 @@ async fn post(
     to: &Account,
     amount: i64,
 ) -> Result<Movement, LedgerError> {
-    let from_balance = from.balance - amount;
-    let Some(to_balance) = to.balance.checked_add(amount) else {
-        return Err(declined(Declined::AmountTooLarge { amount }));
+    // A funding account goes down by every top-up, a customer's up by
+    // every credit: either can reach the end of i64, which is a decline,
+    // never a wrap or a panic.
+    let overflow = |account: &Account| {
+        declined(Declined::BalanceOverflow {
+            account: account.id,
+            balance: account.balance,
+            amount,
+        })
     };
+    let from_balance = from
+        .balance
+        .checked_sub(amount)
+        .ok_or_else(|| overflow(from))?;
+    let to_balance = to.balance.checked_add(amount).ok_or_else(|| overflow(to))?;
     for (account, balance) in sorted_pair((from, from_balance), (to, to_balance)) {
         Account::update(account.id)
             .tenant(account.tenant_id)
@@ -425,10 +326,6 @@ fn sorted_pair<'a>(a: (&'a Account, i64), b: (&'a Account, i64)) -> [(&'a Accoun
     }
 }
 
-fn valid_currency(currency: &str) -> bool {
-    currency.len() == 3 && currency.bytes().all(|b| b.is_ascii_uppercase())
-}
-
 /// `POST /accounts` without a key: a customer account.
 #[retryable(max = 4, deadline_ms = 5000)]
 pub async fn open_account(
@@ -458,11 +355,8 @@ async fn insert_account(
     req: &NewAccountRequest,
 ) -> Result<StoredResponse<Account>, LedgerError> {
     use ledger_accounts::dsl as a;
-    if !valid_currency(&req.currency) {
-        return Err(declined(Declined::InvalidCurrency {
-            currency: req.currency.clone(),
-        }));
-    }
+    check_currency(&req.currency)?;
+    check_metadata(&req.metadata)?;
     let account = diesel::insert_into(a::ledger_accounts)
         .values((
             a::tenant_id.eq(tenant),
@@ -487,6 +381,7 @@ pub async fn set_metadata(
     expected: Option<i64>,
     metadata: &serde_json::Value,
 ) -> Result<Account, LedgerError> {
+    check_metadata(metadata)?;
     let version = match expected {
         Some(version) => version,
         None => Account::find(id).tenant(tenant).load(conn).await?.version,

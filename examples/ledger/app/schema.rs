@@ -148,7 +148,7 @@ CREATE CONSTRAINT TRIGGER ledger_entries_balanced AFTER INSERT ON ledger_entries
 /// responses name movements that no longer exist).
 const RESET: &str = r#"
 DROP TABLE IF EXISTS ledger_entries, ledger_transfers, ledger_accounts CASCADE;
-DELETE FROM idem_requests WHERE scope LIKE '["ledger",%';
+DELETE FROM idem_requests WHERE scope_label LIKE '["ledger",%';
 "#;
 
 /// Create the tables (after `idem::migrate`, which creates `idem_requests`

@@ -61,7 +61,12 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         (Ok(mut shape), Ok(parsed)) => {
             expand::mark_attribute_uses(&mut shape, &parsed);
             let retry_path = retry_attr.as_ref().map(|a| a.path().clone());
-            expand::idempotent(&shape, &parsed, retry_path.as_ref())
+            let mut out = TokenStream::new();
+            if parsed.scope.is_none() {
+                out.extend(parse::missing_scope().to_compile_error());
+            }
+            out.extend(expand::idempotent(&shape, &parsed, retry_path.as_ref()));
+            out
         }
         (shape, parsed) => {
             let mut errors = crate::errors::Errors::default();

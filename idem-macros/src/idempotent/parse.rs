@@ -45,7 +45,8 @@ pub(crate) enum ModeArg {
 
 pub(crate) struct Idempotent {
     pub(crate) key: Option<Expr>,
-    /// Required: `None` only while parsing.
+    /// Required: `None` is reported by [`missing_scope`], next to a full
+    /// expansion (as `none`), so the callers see no second error.
     pub(crate) scope: Option<ScopeArg>,
     /// `None`: every parameter but the connection.
     pub(crate) fingerprint: Option<Vec<FingerprintField>>,
@@ -290,17 +291,6 @@ impl Idempotent {
         if let Err(err) = parser.parse2(args) {
             errors.push(err);
         }
-        if out.scope.is_none() {
-            // At the attribute: the key space is a decision, never a default
-            // (a replay skips the body and any authorization in it).
-            errors.push(syn::Error::new(
-                proc_macro2::Span::call_site(),
-                "#[idempotent(..)] must name whose keys these are: add `scope = <values>` with the \
-                 principal in it (e.g. `scope = (ctx.tenant, ctx.user)`), or `scope = none` for one \
-                 key space shared by every caller. A replay returns the stored response without \
-                 running the body, so a scope without the principal lets one caller read another's result",
-            ));
-        }
         if let Some(ty) = not_a_result(&func.sig.output) {
             errors.push_at(
                 ty,
@@ -317,4 +307,17 @@ impl Idempotent {
         }
         errors.finish(out)
     }
+}
+
+/// The error for an attribute without `scope`.
+pub(crate) fn missing_scope() -> syn::Error {
+    // At the attribute: the key space is a decision, never a default (a
+    // replay skips the body and any authorization in it).
+    syn::Error::new(
+        proc_macro2::Span::call_site(),
+        "#[idempotent(..)] must name whose keys these are: add `scope = <values>` with the \
+         principal in it (e.g. `scope = (ctx.tenant, ctx.user)`), or `scope = none` for one \
+         key space shared by every caller. A replay returns the stored response without \
+         running the body, so a scope without the principal lets one caller read another's result",
+    )
 }

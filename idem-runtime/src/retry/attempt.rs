@@ -6,15 +6,22 @@
 //! transaction across a call to another system), and the transaction that
 //! records the outcome, with the body's own local writes, begins when the
 //! body first asks for a connection through [`Deferred::conn`].
+//!
+//! Either way the transaction's statements are bounded by the call's
+//! deadline ([`Timeouts`]): at once, by the time left when it begins; on
+//! first use, by the time that was left when the body started, counted from
+//! when the transaction begins.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use diesel_async::AsyncPgConnection;
+
+use deadpool::managed::{PoolError, TimeoutType};
 
 use super::{Isolation, RetryCause, Transient};
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::tx::{CommitFailure, Tx};
+use crate::tx::{CommitFailure, Timeouts, Tx};
 
 /// How an attempt begins its transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +33,17 @@ pub enum Begin {
     OnFirstUse,
 }
 
+/// Where and how an attempt begun on first use begins.
+#[derive(Clone)]
+struct Lazy {
+    pool: Pool,
+    isolation: Isolation,
+    /// The time its transaction gets, checkout included.
+    budget: Duration,
+    /// The last attempt the budget of attempts allows.
+    last: bool,
+}
+
 /// One attempt's connection and transaction. Dropping it while its
 /// transaction is open (the caller's future was cancelled mid-attempt)
 /// cancels the running statement and closes the connection.
@@ -33,7 +51,7 @@ pub enum Begin {
 pub struct Attempt {
     tx: Option<Tx>,
     /// `Begin::OnFirstUse`: where and how to begin.
-    lazy: Option<(Pool, Isolation)>,
+    lazy: Option<Lazy>,
     /// A lost connection met while beginning on first use: nothing of the
     /// transaction ran, so the attempt is worth replaying.
     lost_at_begin: bool,
@@ -48,10 +66,22 @@ impl Attempt {
         }
     }
 
-    pub(crate) fn deferred(pool: Pool, isolation: Isolation) -> Attempt {
+    /// An attempt whose transaction begins on first use, and then gets
+    /// `budget` for its checkout and statements.
+    pub(crate) fn deferred(
+        pool: Pool,
+        isolation: Isolation,
+        budget: Duration,
+        last: bool,
+    ) -> Attempt {
         Attempt {
             tx: None,
-            lazy: Some((pool, isolation)),
+            lazy: Some(Lazy {
+                pool,
+                isolation,
+                budget,
+                last,
+            }),
             lost_at_begin: false,
         }
     }
@@ -72,16 +102,23 @@ impl Attempt {
     /// was deferred.
     pub async fn open(&mut self) -> Result<&mut AsyncPgConnection, Error> {
         if self.tx.is_none() {
-            let (pool, isolation) = self
+            let lazy = self
                 .lazy
                 .clone()
                 .expect("an attempt without a transaction begins on first use");
-            let conn = pool.get().await.inspect_err(|e| {
-                if matches!(e, deadpool::managed::PoolError::Backend(_)) {
+            let until = Instant::now() + lazy.budget;
+            let conn = match tokio::time::timeout(lazy.budget, lazy.pool.get()).await {
+                Ok(checked_out) => checked_out,
+                Err(_elapsed) => Err(PoolError::Timeout(TimeoutType::Wait)),
+            }
+            .inspect_err(|e| {
+                if matches!(e, PoolError::Backend(_)) {
                     self.lost_at_begin = true;
                 }
             })?;
-            match Tx::begin(conn, isolation).await {
+            let left = until.saturating_duration_since(Instant::now());
+            let timeouts = Timeouts::within(left, lazy.last);
+            match Tx::begin_bounded(conn, lazy.isolation, timeouts).await {
                 Ok(tx) => self.tx = Some(tx),
                 Err(failure) => {
                     if failure.0.transient() == Some(RetryCause::ConnectionLost) {

@@ -5,7 +5,7 @@
 //! `#[retryable]` macro that expands to the loop) runs each attempt as
 //!
 //! 1. check a connection out of the [`Pool`](crate::pool::Pool);
-//! 2. `BEGIN ISOLATION LEVEL ..`;
+//! 2. `BEGIN ISOLATION LEVEL ..`, with the attempt's timeouts (see below);
 //! 3. run the body, built anew from the original arguments;
 //! 4. on `Ok`, `COMMIT`, unless a statement of the body failed and the body
 //!    swallowed the error, which would otherwise turn the `COMMIT` into a
@@ -13,8 +13,37 @@
 //! 5. on `Err`, `ROLLBACK` (or discard the connection when that fails), then
 //!    replay only if the attempt failed on a race the server reported (a
 //!    statement's 40001 or 40P01, a lost connection, a versioned write gone
-//!    stale from a version read in the attempt) and the budget allows. What
-//!    the body returned does not decide it: see [`Transient`].
+//!    stale from a version read in the attempt, a lock wait that reached the
+//!    attempt's `lock_timeout`) and the budget allows. What the body returned
+//!    does not decide it: see [`Transient`].
+//!
+//! # The deadline bounds the call
+//!
+//! [`RetryPolicy::deadline`] bounds the call: every statement of an attempt
+//! is cancelled by the server when the call's deadline passes. Each attempt's
+//! `BEGIN` carries, in the same simple query (no extra round trip),
+//! `SET LOCAL statement_timeout` set to the time left before the deadline and
+//! `SET LOCAL lock_timeout` set to half of it (all of it on the last attempt
+//! the budget allows): a row lock held elsewhere cannot pin the call, nor its
+//! pooled connection, past the deadline, and a lock wait that gives up early
+//! leaves time to back off and replay ([`RetryCause::LockTimeout`], replayed
+//! whatever [`RetryPolicy::retry_lock_not_available`] says). A statement the
+//! deadline cancels ends the call with [`Error::Exhausted`] and
+//! [`RetryCause::DeadlineExceeded`] (HTTP 503). The settings are
+//! transaction-scoped: they end with the attempt, leave nothing on the pooled
+//! connection, and hold behind PgBouncer's transaction pooling.
+//!
+//! What the server bounds is each statement, from when it starts, by the time
+//! left when its attempt began: a statement that starts late in an attempt
+//! can outlive the deadline by the time the attempt had already run. The wait
+//! for a pooled connection is bounded by the deadline too, and no attempt
+//! begins after it. Repeats that spend no attempt (a duplicate waiting for
+//! the first request, bounded by its own `wait`; an external claim committed
+//! before the body) are not charged to the deadline. `COMMIT` is the one statement bounded from the client,
+//! by [`RetryPolicy::commit_timeout`]. In external idempotent mode the body's
+//! call to another system runs with nothing open and is not bounded by idem
+//! (give its client a timeout); the transaction that records its outcome gets
+//! the time that was left when the body started, counted from when it begins.
 //!
 //! A connection that breaks while `COMMIT` is in flight, or whose `COMMIT`
 //! gets no answer within [`RetryPolicy::commit_timeout`], leaves the outcome
@@ -30,6 +59,7 @@ mod run;
 use std::time::Duration;
 
 pub use attempt::{Attempt, Begin, Deferred};
+pub(crate) use classify::own_timeout;
 pub use classify::{RetryCause, Transient};
 pub use run::{commit, retry, RetryLoop, Step};
 
@@ -91,8 +121,16 @@ pub enum OnConflict {
 pub struct RetryPolicy {
     /// Most attempts, the first included. Default 4. At least 1.
     pub max_attempts: u32,
-    /// Total time budget from the call to the start of the last attempt: no
-    /// attempt starts and no backoff sleeps past it. Default 800 ms.
+    /// Total time budget from the call (repeats that spend no attempt, such
+    /// as a duplicate waiting for the first request, are not charged to
+    /// it). The deadline bounds the call: every
+    /// statement of an attempt is cancelled by the server when the call's
+    /// deadline passes (each attempt sets `statement_timeout`, and a shorter
+    /// `lock_timeout`, from the time left when it begins; see the [module
+    /// docs](self)); no checkout waits, no attempt starts and no backoff
+    /// sleeps past it. A call that runs out of it ends with
+    /// [`Error::Exhausted`], whose cause [`RetryCause::is_timeout`] (HTTP 503).
+    /// Default 800 ms; at least 1 ms (0 would fail every call).
     pub deadline: Duration,
     /// First backoff ceiling; it doubles after each failed attempt. Default 10 ms.
     pub base_backoff: Duration,
@@ -102,7 +140,10 @@ pub struct RetryPolicy {
     pub isolation: Isolation,
     /// What to do about hot rows. Default [`OnConflict::Retry`].
     pub on_conflict: OnConflict,
-    /// Replay 55P03 lock_not_available too. Default false.
+    /// Replay 55P03 lock_not_available too (`NOWAIT`, or a `lock_timeout`
+    /// the body set itself). Default false. The `lock_timeout` each attempt
+    /// sets from the deadline is replayed regardless
+    /// ([`RetryCause::LockTimeout`]).
     pub retry_lock_not_available: bool,
     /// How long to wait for the answer to `COMMIT` before declaring the
     /// outcome unknown. Default 10 s.

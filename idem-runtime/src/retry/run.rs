@@ -19,9 +19,9 @@ use super::{OnConflict, RetryCause, RetryPolicy, Transient};
 use crate::attempt::{self, AttemptContext, ConflictSlot, ATTEMPT};
 use crate::error::{Error, FromIdemError};
 use crate::pool::Pool;
-use crate::tx::{CommitFailure, Tx};
+use crate::tx::{CommitFailure, Timeouts, Tx};
 
-use deadpool::managed::PoolError;
+use deadpool::managed::{PoolError, TimeoutType};
 
 /// Run `body` as a retried transaction: the closure form of `#[retryable]`.
 ///
@@ -114,6 +114,10 @@ pub struct RetryLoop<'p> {
     policy: RetryPolicy,
     name: &'static str,
     started: Instant,
+    /// When the current attempt began (its checkout included).
+    attempt_started: Instant,
+    /// Time not charged to the deadline: repeats that spend no attempt.
+    uncharged: Duration,
     attempts: u32,
     lock_rows: bool,
     /// A version conflict met by the current attempt's versioned writes.
@@ -142,6 +146,8 @@ impl<'p> RetryLoop<'p> {
             },
             name,
             started: Instant::now(),
+            attempt_started: Instant::now(),
+            uncharged: Duration::ZERO,
             attempts: 0,
             lock_rows: false,
             conflict: ConflictSlot::default(),
@@ -169,9 +175,56 @@ impl<'p> RetryLoop<'p> {
                 if attempt::inside_attempt() {
                     return Err(Error::Nested);
                 }
+                let Some(left) = self.time_left() else {
+                    return Err(self.out_of_time());
+                };
                 self.attempts += 1;
-                Ok(Attempt::deferred(self.pool.clone(), self.policy.isolation))
+                self.attempt_started = Instant::now();
+                // What is left now, when the body starts, is the deferred
+                // transaction's from when it begins: the body's call to
+                // another system holds nothing of the database, and a
+                // record cancelled for want of the time that call took
+                // would turn a call that happened into an unknown outcome.
+                Ok(Attempt::deferred(
+                    self.pool.clone(),
+                    self.policy.isolation,
+                    left,
+                    self.is_last_attempt(),
+                ))
             }
+        }
+    }
+
+    /// The time charged to the deadline so far: all of it but the repeats
+    /// that spend no attempt (a duplicate waiting for the first request, a
+    /// claim committed before the body). Those are bounded by whoever asks
+    /// for them (`IdempotencyConfig::wait`, at most a few immediate repeats),
+    /// and a wait longer than the deadline must not cut the call short.
+    fn charged(&self) -> Duration {
+        self.started.elapsed().saturating_sub(self.uncharged)
+    }
+
+    /// The time left before the deadline, if any.
+    fn time_left(&self) -> Option<Duration> {
+        self.policy
+            .deadline
+            .checked_sub(self.charged())
+            .filter(|left| !left.is_zero())
+    }
+
+    /// Whether the attempt begun last is the last one the budget of attempts allows.
+    fn is_last_attempt(&self) -> bool {
+        self.attempts >= self.policy.max_attempts
+    }
+
+    /// The deadline passed before an attempt could begin (only a repeat
+    /// that spends no budget, or a long checkout, gets there).
+    fn out_of_time(&self) -> Error {
+        self.record_end("exhausted");
+        Error::Exhausted {
+            attempts: self.attempts,
+            elapsed: self.started.elapsed(),
+            last_cause: RetryCause::DeadlineExceeded,
         }
     }
 
@@ -183,9 +236,20 @@ impl<'p> RetryLoop<'p> {
             return Err(Error::Nested);
         }
         let mut stale = 0;
+        self.attempt_started = Instant::now();
         loop {
+            let Some(left) = self.time_left() else {
+                return Err(self.out_of_time());
+            };
             self.attempts += 1;
-            let conn = match self.pool.get().instrument(self.span.clone()).await {
+            // The wait for a connection is bounded by the deadline too (and
+            // by the pool's own wait timeout, whichever comes first).
+            let checkout = tokio::time::timeout(left, self.pool.get());
+            let checked_out = match checkout.instrument(self.span.clone()).await {
+                Ok(checked_out) => checked_out,
+                Err(_elapsed) => Err(PoolError::Timeout(TimeoutType::Wait)),
+            };
+            let conn = match checked_out {
                 Ok(conn) => conn,
                 // The pool could not set up a new connection (the server went
                 // away, say): nothing ran, and another try may succeed. When
@@ -203,7 +267,13 @@ impl<'p> RetryLoop<'p> {
                     return Err(Error::Pool(err));
                 }
             };
-            match Tx::begin(conn, self.policy.isolation)
+            // Every statement of the attempt is bounded by what is left.
+            let Some(left) = self.time_left() else {
+                self.attempts -= 1;
+                return Err(self.out_of_time());
+            };
+            let timeouts = Timeouts::within(left, self.is_last_attempt());
+            match Tx::begin_bounded(conn, self.policy.isolation, timeouts)
                 .instrument(self.span.clone())
                 .await
             {
@@ -285,6 +355,7 @@ impl<'p> RetryLoop<'p> {
                     if !after.is_zero() {
                         tokio::time::sleep(after).await;
                     }
+                    self.uncharged += self.attempt_started.elapsed();
                     return ControlFlow::Continue(());
                 }
                 RetryCause::SerializationFailure
@@ -293,6 +364,7 @@ impl<'p> RetryLoop<'p> {
                 match attempt.commit(timeout).instrument(self.span.clone()).await {
                     Ok(()) => {
                         self.attempts -= 1;
+                        self.uncharged += self.attempt_started.elapsed();
                         return ControlFlow::Continue(());
                     }
                     // The next attempt reads what happened.
@@ -390,7 +462,9 @@ impl<'p> RetryLoop<'p> {
             self.policy.max_backoff,
             self.attempts,
         ));
-        if self.attempts >= self.policy.max_attempts || elapsed + sleep >= self.policy.deadline {
+        if self.attempts >= self.policy.max_attempts
+            || self.charged() + sleep >= self.policy.deadline
+        {
             tracing::info!(parent: &self.span, function = self.name, attempts = self.attempts, elapsed_ms = elapsed.as_millis() as u64, cause = cause.as_str(), "retry budget exhausted");
             #[cfg(feature = "metrics")]
             metrics::counter!("idem_retry_exhausted_total", "function" => self.name, "cause" => cause.as_str()).increment(1);

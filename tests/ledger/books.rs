@@ -1,19 +1,12 @@
-//! The ledger example over real HTTP against a real PostgreSQL: concurrent
-//! transfers keep the books balanced, an Idempotency-Key has its effect once,
-//! and If-Match guards metadata writes. No assertion depends on timing.
-
-#[path = "../examples/ledger/app/mod.rs"]
-#[allow(dead_code)]
-mod app;
-#[path = "../examples/ledger/testkit.rs"]
-#[allow(dead_code)]
-mod testkit;
+//! The books: concurrent transfers keep them balanced, an Idempotency-Key
+//! has its effect once, refusals are final, and If-Match guards metadata
+//! writes. No assertion depends on timing.
 
 use axum::http::Method;
 use serde_json::json;
-use testkit::{Ledger, Reply};
 
-const EUR: &str = "EUR";
+use crate::testkit::{Ledger, Reply};
+use crate::EUR;
 
 /// Runs `n` transfers of `amount` from `from` to `to` at once, each under
 /// `key(i)`.
