@@ -268,6 +268,7 @@ async fn the_timeouts_travel_with_begin_in_one_round_trip() {
         &PoolConfig {
             max_size: 1,
             wait_timeout: Duration::from_secs(10),
+            ..Default::default()
         },
     )
     .unwrap();
