@@ -217,7 +217,15 @@ impl Env {
     /// A pooled connection works, is not inside a transaction, and nothing
     /// is checked out or waiting.
     async fn assert_pool_clean(&self) -> i32 {
-        let status = self.pool.status();
+        // An attempt that only answered (a replay) ends its read-only
+        // transaction in the background: its connection comes back once
+        // ROLLBACK is answered, a round trip later (two hops behind PgBouncer).
+        let until = Instant::now() + Duration::from_secs(10);
+        let mut status = self.pool.status();
+        while status.size != status.available && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            status = self.pool.status();
+        }
         assert_eq!(
             status.size, status.available,
             "a connection is still checked out: {status:?}"
