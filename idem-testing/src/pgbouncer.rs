@@ -247,7 +247,9 @@ impl PgBouncer {
         let listening = format!("listening on 127.0.0.1:{port}");
         let until = Instant::now() + START_TIMEOUT;
         loop {
-            if self.log().contains(&listening) {
+            // Its pid too: stopping it signals that pid (see stop_process),
+            // and the pid file may be written after the log line.
+            if self.log().contains(&listening) && self.pid().is_some() {
                 return Ok(());
             }
             let exited = self
@@ -281,11 +283,13 @@ impl PgBouncer {
             return;
         };
         // The child may be runuser, which does not pass signals on: signal
-        // PgBouncer itself.
-        let pid = fs::read_to_string(self.dir.join("pgbouncer.pid"))
-            .ok()
-            .and_then(|text| text.trim().parse::<libc::pid_t>().ok())
-            .filter(|pid| *pid > 0);
+        // PgBouncer itself (after a failed start, once it has said who it is).
+        let until = Instant::now() + Duration::from_secs(1);
+        let mut pid = self.pid();
+        while pid.is_none() && Instant::now() < until && matches!(child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(10));
+            pid = self.pid();
+        }
         let signal = |sig| {
             if let Some(pid) = pid {
                 // SAFETY: plain syscall; the pid was written by this PgBouncer.
@@ -305,6 +309,14 @@ impl PgBouncer {
         signal(libc::SIGKILL);
         let _ = child.kill();
         let _ = child.wait();
+    }
+
+    /// The pid PgBouncer wrote, once it has.
+    fn pid(&self) -> Option<libc::pid_t> {
+        fs::read_to_string(self.dir.join("pgbouncer.pid"))
+            .ok()
+            .and_then(|text| text.trim().parse::<libc::pid_t>().ok())
+            .filter(|pid| *pid > 0)
     }
 
     /// Stops PgBouncer and deletes its directory; safe to call more than once.
