@@ -175,6 +175,7 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 &PoolConfig {
                     max_size: 16,
                     wait_timeout: Duration::from_secs(10),
+                    ..Default::default()
                 },
             )?;
             let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;

@@ -210,6 +210,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         &PoolConfig {
             max_size: backends.min(MAX_POOL),
             wait_timeout: std::time::Duration::from_secs(30),
+            ..Default::default()
         },
     )?;
     let mut warm = Vec::new();

@@ -25,7 +25,9 @@ pub type IdempotencyError = Error;
 
 /// Building the connection pool every call checks its attempts out of.
 pub mod pool {
-    pub use idem_runtime::pool::{build_pool, build_pool_with, PoolConfig, PooledConnection};
+    pub use idem_runtime::pool::{
+        build_pool, build_pool_with, PoolConfig, PooledConnection, Pooler,
+    };
 }
 
 /// Replaying a transaction that lost a race; see `#[retryable]`.

@@ -61,6 +61,7 @@ async fn env(pool_size: usize) -> Env {
         &PoolConfig {
             max_size: pool_size,
             wait_timeout: Duration::from_secs(10),
+            ..Default::default()
         },
     )
     .expect("a pool through the proxy");

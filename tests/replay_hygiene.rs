@@ -103,6 +103,7 @@ fn pool_of(db: &TestDatabase, size: usize) -> Pool {
         &PoolConfig {
             max_size: size,
             wait_timeout: Duration::from_secs(60),
+            ..Default::default()
         },
     )
     .expect("build the pool")

@@ -116,6 +116,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         &PoolConfig {
             max_size: WRITERS,
             wait_timeout: Duration::from_secs(30),
+            ..Default::default()
         },
     )?;
     // Open every connection before anything is timed.

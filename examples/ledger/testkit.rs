@@ -76,6 +76,7 @@ impl Ledger {
             &PoolConfig {
                 max_size: POOL_SIZE,
                 wait_timeout: Duration::from_secs(30),
+                ..Default::default()
             },
         )
         .expect("a pool");

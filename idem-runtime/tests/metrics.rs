@@ -151,6 +151,7 @@ async fn scenario(snapshotter: &Snapshotter) {
         &PoolConfig {
             max_size: 2,
             wait_timeout: Duration::from_secs(10),
+            ..Default::default()
         },
     )
     .expect("build the pool");
@@ -301,6 +302,7 @@ async fn scenario(snapshotter: &Snapshotter) {
         &PoolConfig {
             max_size: 1,
             wait_timeout: Duration::from_millis(500),
+            ..Default::default()
         },
     )
     .expect("build the pool");

@@ -1,19 +1,16 @@
 //! Throwaway PostgreSQL clusters built from the locally installed server binaries.
 
-use std::collections::hash_map::RandomState;
-use std::ffi::{CStr, CString, OsStr};
+use std::ffi::OsStr;
 use std::fmt::Write as _;
-use std::fs::{self, DirBuilder, OpenOptions};
-use std::hash::{BuildHasher, Hasher};
-use std::io::{self, Write as _};
-use std::net::TcpListener;
-use std::os::unix::fs::DirBuilderExt;
+use std::fs::{self, OpenOptions};
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::privilege::Runner;
+use crate::scratch::{free_port, make_temp_dir};
 use crate::HarnessError;
 
 /// Settings that trade durability for speed; a test cluster is deleted anyway.
@@ -73,14 +70,8 @@ impl Cluster {
     }
 
     fn start() -> Result<Cluster, HarnessError> {
-        let bin_dir = find_bin_dir()?;
-        let account = if is_root() {
-            Some(unprivileged_account()?)
-        } else {
-            None
-        };
-        let runner = Runner::new(bin_dir, account)?;
-        let dir = make_temp_dir()?;
+        let runner = Runner::for_bin_dir(find_bin_dir()?)?;
+        let dir = make_temp_dir("idem-pg")?;
         // From here on, Drop owns the cleanup of whatever the remaining steps leave behind.
         let cluster = Cluster {
             data_dir: dir.join("data"),
@@ -94,11 +85,8 @@ impl Cluster {
     }
 
     fn finish_start(mut self) -> Result<Cluster, HarnessError> {
-        if let Some(account) = &self.runner.account {
-            // The server creates its data dir, socket and log in here as that user.
-            std::os::unix::fs::chown(&self.dir, Some(account.uid), Some(account.gid))
-                .map_err(|e| HarnessError::io(format!("chown {}", self.dir.display()), e))?;
-        }
+        // The server creates its data dir, socket and log in here.
+        self.runner.give_dir(&self.dir)?;
         self.initdb()?;
         self.append_settings(&self.base_settings())?;
         for attempt in 1..=PORT_ATTEMPTS {
@@ -273,70 +261,6 @@ extern "C" fn shut_down_shared_cluster() {
     });
 }
 
-/// Runs the server binaries, as an unprivileged account when this process is root.
-#[derive(Debug)]
-struct Runner {
-    bin_dir: PathBuf,
-    account: Option<Account>,
-    drop_tool: Option<DropTool>,
-}
-
-#[derive(Debug)]
-struct Account {
-    name: String,
-    uid: u32,
-    gid: u32,
-}
-
-#[derive(Debug)]
-enum DropTool {
-    Runuser(PathBuf),
-    Setpriv(PathBuf),
-}
-
-impl Runner {
-    fn new(bin_dir: PathBuf, account: Option<Account>) -> Result<Runner, HarnessError> {
-        let drop_tool = match account {
-            None => None,
-            Some(_) => Some(if let Some(path) = find_program("runuser") {
-                DropTool::Runuser(path)
-            } else if let Some(path) = find_program("setpriv") {
-                DropTool::Setpriv(path)
-            } else {
-                return Err(HarnessError::NoPrivilegeDropTool);
-            }),
-        };
-        Ok(Runner {
-            bin_dir,
-            account,
-            drop_tool,
-        })
-    }
-
-    fn command(&self, program: &str, cwd: &Path) -> Command {
-        let program = self.bin_dir.join(program);
-        let mut cmd = match (&self.account, &self.drop_tool) {
-            (Some(account), Some(DropTool::Runuser(runuser))) => {
-                let mut cmd = Command::new(runuser);
-                cmd.args(["-u", &account.name, "--"]).arg(program);
-                cmd
-            }
-            (Some(account), Some(DropTool::Setpriv(setpriv))) => {
-                let mut cmd = Command::new(setpriv);
-                cmd.arg(format!("--reuid={}", account.uid))
-                    .arg(format!("--regid={}", account.gid))
-                    .args(["--clear-groups", "--"])
-                    .arg(program);
-                cmd
-            }
-            _ => Command::new(program),
-        };
-        // The caller's working directory may not be readable by the unprivileged account.
-        cmd.current_dir(cwd).stdin(Stdio::null());
-        cmd
-    }
-}
-
 fn run(cmd: &mut Command, action: &str) -> Result<Output, HarnessError> {
     cmd.output().map_err(|e| HarnessError::io(action, e))
 }
@@ -402,100 +326,6 @@ fn parse_version(name: &OsStr) -> Option<Vec<u32>> {
         .split('.')
         .map(|part| part.parse().ok())
         .collect()
-}
-
-fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    // sbin is often missing from PATH in containers and CI, and that is where runuser lives.
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from))
-        .map(|dir| dir.join(name))
-        .find(|candidate| candidate.is_file())
-}
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
-fn unprivileged_account() -> Result<Account, HarnessError> {
-    ["postgres", "nobody"]
-        .into_iter()
-        .find_map(lookup_account)
-        .ok_or(HarnessError::NoUnprivilegedUser)
-}
-
-fn lookup_account(name: &str) -> Option<Account> {
-    let c_name = CString::new(name).ok()?;
-    let mut buf = vec![0 as libc::c_char; 16 * 1024];
-    // SAFETY: passwd is plain old data; getpwnam_r fills it and points its strings into `buf`.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut result: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the duration of the call, and buf.len() is its real size.
-    let rc = unsafe {
-        libc::getpwnam_r(
-            c_name.as_ptr(),
-            &mut pwd,
-            buf.as_mut_ptr(),
-            buf.len(),
-            &mut result,
-        )
-    };
-    if rc != 0 || result.is_null() {
-        return None;
-    }
-    // SAFETY: on success pw_name points to a NUL-terminated string inside `buf`.
-    let name = unsafe { CStr::from_ptr(pwd.pw_name) }
-        .to_string_lossy()
-        .into_owned();
-    Some(Account {
-        name,
-        uid: pwd.pw_uid,
-        gid: pwd.pw_gid,
-    })
-}
-
-fn free_port() -> Result<u16, HarnessError> {
-    TcpListener::bind(("127.0.0.1", 0))
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .map_err(|e| HarnessError::io("find a free TCP port on 127.0.0.1", e))
-}
-
-fn make_temp_dir() -> Result<PathBuf, HarnessError> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let base = std::env::temp_dir();
-    loop {
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let dir = base.join(format!(
-            "idem-pg-{}-{n}-{:08x}",
-            std::process::id(),
-            random_u32()
-        ));
-        // 0700: the directory holds a trust-auth socket.
-        match DirBuilder::new().mode(0o700).create(&dir) {
-            Ok(()) => return Ok(dir),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-            Err(e) => {
-                return Err(HarnessError::io(
-                    format!("create a directory in {}", base.display()),
-                    e,
-                ))
-            }
-        }
-    }
-}
-
-/// Enough randomness for unique names without pulling in a random number crate.
-pub(crate) fn random_u32() -> u32 {
-    let mut hasher = RandomState::new().build_hasher();
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    hasher.write_u128(nanos);
-    hasher.write_u32(std::process::id());
-    hasher.finish() as u32
 }
 
 #[cfg(test)]

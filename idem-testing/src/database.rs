@@ -7,9 +7,11 @@ use std::time::Duration;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, Config, NoTls};
 
-use crate::cluster::random_u32;
+use crate::pgbouncer::PgBouncer;
+use crate::scratch::random_u32;
 use crate::url::{redact, with_database};
-use crate::{server_url, HarnessError};
+use crate::via::shared_pgbouncer;
+use crate::{server_url, HarnessError, Via};
 
 /// Bounds every harness round trip, so a wedged server fails a test instead of hanging it.
 const ROUND_TRIP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -22,6 +24,8 @@ const ROUND_TRIP_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct TestDatabase {
     name: String,
     url: String,
+    pool_url: String,
+    bouncer: Option<&'static PgBouncer>,
     admin_url: String,
 }
 
@@ -43,9 +47,24 @@ impl TestDatabase {
     ///
     /// `admin_url` must name a role allowed to create and drop databases; for
     /// example [`Cluster::url`](crate::Cluster::url) of a throwaway cluster.
+    ///
+    /// Under `IDEM_TEST_VIA=pgbouncer` ([`Via`]) it also starts, the first
+    /// time for that server, the process's PgBouncer in front of it, for
+    /// [`pool_url`](Self::pool_url).
     pub async fn create_on(admin_url: &str) -> Result<TestDatabase, HarnessError> {
         // Validate the URL before anything is created that would then be leaked.
         with_database(admin_url, "postgres")?;
+        let bouncer = match Via::from_env()? {
+            Via::Direct => None,
+            Via::PgBouncer => {
+                let admin_url = admin_url.to_owned();
+                // Starting it blocks; keep that off the async worker thread.
+                match tokio::task::spawn_blocking(move || shared_pgbouncer(&admin_url)).await {
+                    Ok(result) => Some(result?),
+                    Err(join_error) => std::panic::resume_unwind(join_error.into_panic()),
+                }
+            }
+        };
         let client = connect(admin_url).await?;
         // Retried because parallel processes could, very rarely, draw the same name.
         let mut attempts_left = 3;
@@ -54,11 +73,18 @@ impl TestDatabase {
             let statement = format!("CREATE DATABASE \"{name}\"");
             match with_timeout(&statement, client.batch_execute(&statement)).await? {
                 Ok(()) => {
-                    return Ok(TestDatabase {
-                        url: with_database(admin_url, &name)?,
+                    let url = with_database(admin_url, &name)?;
+                    let database = TestDatabase {
+                        pool_url: match bouncer {
+                            Some(bouncer) => bouncer.url_for(&url)?,
+                            None => url.clone(),
+                        },
+                        url,
+                        bouncer,
                         name,
                         admin_url: admin_url.to_owned(),
-                    })
+                    };
+                    return Ok(database);
                 }
                 Err(e) if e.code() == Some(&SqlState::DUPLICATE_DATABASE) && attempts_left > 1 => {
                     attempts_left -= 1;
@@ -69,8 +95,41 @@ impl TestDatabase {
     }
 
     /// The `postgres://` URL of this database, for tokio-postgres and diesel-async alike.
+    ///
+    /// Always straight to the server: for a test's own connections, which
+    /// set things up, observe and interfere. The code under test gets
+    /// [`pool_url`](Self::pool_url).
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The URL of this database for the code under test's pool: through the
+    /// process's PgBouncer (transaction pooling) when [`via`](Self::via) is
+    /// [`Via::PgBouncer`], else the same as [`url`](Self::url).
+    pub fn pool_url(&self) -> &str {
+        &self.pool_url
+    }
+
+    /// How [`pool_url`](Self::pool_url) reaches the server, as
+    /// `IDEM_TEST_VIA` said when this database was created. A pool for it
+    /// must be set up for transaction pooling when this is
+    /// [`Via::PgBouncer`].
+    pub fn via(&self) -> Via {
+        match self.bouncer {
+            Some(_) => Via::PgBouncer,
+            None => Via::Direct,
+        }
+    }
+
+    /// Under [`Via::PgBouncer`], have PgBouncer close its server connections
+    /// to this database (idle ones at once), which it otherwise keeps open
+    /// after the code under test's pool is gone; directly, nothing to do.
+    /// For a test that waits for the database's backends to exit.
+    pub async fn release_server_connections(&self) -> Result<(), HarnessError> {
+        match self.bouncer {
+            Some(bouncer) => bouncer.close_server_connections(&self.name).await,
+            None => Ok(()),
+        }
     }
 
     /// The database's name.
@@ -85,6 +144,7 @@ impl fmt::Debug for TestDatabase {
         f.debug_struct("TestDatabase")
             .field("name", &self.name)
             .field("url", &redact(&self.url))
+            .field("pool_url", &redact(&self.pool_url))
             .finish()
     }
 }

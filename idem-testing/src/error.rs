@@ -106,6 +106,36 @@ pub enum HarnessError {
     #[error("the test proxy could not start: {0}")]
     Proxy(String),
 
+    /// No `pgbouncer` program was found.
+    #[error(
+        "no pgbouncer program found; searched: {searched}. Install PgBouncer \
+         (apt-get install pgbouncer) or set IDEM_PGBOUNCER to the program"
+    )]
+    NoPgBouncer {
+        /// The places that were looked at, in order.
+        searched: String,
+    },
+
+    /// PgBouncer did not come up.
+    #[error("PgBouncer did not start: {detail}\n--- PgBouncer log ---\n{log}")]
+    PgBouncerDidNotStart {
+        /// What went wrong.
+        detail: String,
+        /// PgBouncer's log and standard error.
+        log: String,
+    },
+
+    /// `IDEM_TEST_VIA` names no known way to the server.
+    #[error("IDEM_TEST_VIA={value:?}: expected `direct` or `pgbouncer`")]
+    InvalidVia {
+        /// The variable's value.
+        value: String,
+    },
+
+    /// Starting the per-process PgBouncer failed earlier; every later caller gets the same cause.
+    #[error("the shared test PgBouncer could not be started: {0}")]
+    SharedPgBouncer(#[source] Arc<HarnessError>),
+
     /// Starting the per-process cluster failed earlier; every later caller gets the same cause.
     #[error("the shared test cluster could not be started: {0}")]
     SharedCluster(#[source] Arc<HarnessError>),

@@ -17,6 +17,16 @@
 //!    the process exits. When running as root, the server runs as the
 //!    `postgres` user (or `nobody`), since PostgreSQL refuses to run as root.
 //!
+//! # Through PgBouncer
+//!
+//! With `IDEM_TEST_VIA=pgbouncer` ([`Via`]), [`TestDatabase::pool_url`] reaches
+//! each test database through a PgBouncer in transaction pooling mode, one
+//! per test process, started from the installed `pgbouncer` on first use and
+//! stopped when the process exits ([`pgbouncer`]). A test gives that URL to
+//! the code under test, with a pool set up for transaction pooling when
+//! [`TestDatabase::via`] says so, and keeps [`TestDatabase::url`] for its own
+//! side connections.
+//!
 //! # Example
 //!
 //! ```no_run
@@ -35,12 +45,17 @@ mod cluster;
 mod database;
 mod error;
 pub mod nats;
+pub mod pgbouncer;
+mod privilege;
 pub mod proxy;
+mod scratch;
 mod url;
+mod via;
 
 pub use cluster::{start_throwaway_cluster, Cluster};
 pub use database::{connect, TestDatabase};
 pub use error::HarnessError;
+pub use via::{Via, VIA_ENV};
 
 /// The admin URL of the server that test databases are created on.
 ///

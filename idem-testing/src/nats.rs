@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 
-use crate::cluster::random_u32;
+use crate::scratch::random_u32;
 
 /// The port a developer's or CI's own server listens on.
 const DEFAULT_ADDR: &str = "127.0.0.1:4222";

@@ -69,6 +69,45 @@ pub(crate) fn with_host_port(url: &str, host_port: &str) -> Result<String, Harne
     ))
 }
 
+/// The user and password in the URL's authority, percent-decoded.
+pub(crate) fn credentials(url: &str) -> Result<(Option<String>, Option<String>), HarnessError> {
+    let (base, _) = split(url)?;
+    let authority = &base[base.find("://").map_or(0, |i| i + 3)..];
+    let Some(at) = authority.rfind('@') else {
+        return Ok((None, None));
+    };
+    let userinfo = &authority[..at];
+    let (user, password) = match userinfo.split_once(':') {
+        Some((user, password)) => (user, Some(password)),
+        None => (userinfo, None),
+    };
+    let user = (!user.is_empty()).then(|| percent_decode(user));
+    Ok((user, password.map(percent_decode)))
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// `url` with any password replaced, so it can go into error messages and Debug output.
 pub(crate) fn redact(url: &str) -> String {
     let Some(scheme_len) = SCHEMES
@@ -159,6 +198,19 @@ mod tests {
 #[cfg(test)]
 mod host_port_tests {
     use super::*;
+
+    #[test]
+    fn credentials_are_read_and_decoded() {
+        assert_eq!(
+            credentials("postgres://u%40x:p%3Aw@h:1/db").unwrap(),
+            (Some("u@x".to_owned()), Some("p:w".to_owned()))
+        );
+        assert_eq!(
+            credentials("postgres://postgres@h/db").unwrap(),
+            (Some("postgres".to_owned()), None)
+        );
+        assert_eq!(credentials("postgres://h/db").unwrap(), (None, None));
+    }
 
     #[test]
     fn host_and_port_are_read_and_replaced() {

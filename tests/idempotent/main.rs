@@ -14,7 +14,7 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::http::HttpStatus;
 use idem::idempotency::{current_key, purge_expired, settle, Settlement, OUTCOME_UNKNOWN_MESSAGE};
-use idem::pool::{build_pool_with, PoolConfig};
+use idem::pool::{build_pool_with, PoolConfig, Pooler};
 use idem::{idempotent, retryable, Deferred, IdempotentError, Pool, VersionedError};
 use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
@@ -111,15 +111,25 @@ async fn env(pool_size: usize) -> Env {
     Env { client, pool, db }
 }
 
+/// The code under test's pool: through PgBouncer under `IDEM_TEST_VIA=pgbouncer`.
 fn pool_of(db: &TestDatabase, size: usize) -> Pool {
     build_pool_with(
-        db.url(),
+        db.pool_url(),
         &PoolConfig {
             max_size: size,
             wait_timeout: Duration::from_secs(60),
+            pooler: pooler(db),
         },
     )
     .expect("build the pool")
+}
+
+fn pooler(db: &TestDatabase) -> Pooler {
+    if db.via().is_transaction_pooling() {
+        Pooler::TransactionPooling
+    } else {
+        Pooler::Direct
+    }
 }
 
 async fn side_connection(url: &str) -> tokio_postgres::Client {

@@ -58,6 +58,7 @@ async fn env() -> Env {
         &PoolConfig {
             max_size: 4,
             wait_timeout: Duration::from_secs(30),
+            ..PoolConfig::default()
         },
     )
     .expect("pool");

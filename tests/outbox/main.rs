@@ -119,6 +119,7 @@ async fn env(test: &str, duplicate_window: Duration) -> Env {
         &PoolConfig {
             max_size: 12,
             wait_timeout: Duration::from_secs(60),
+            ..PoolConfig::default()
         },
     )
     .expect("pool");

@@ -89,9 +89,15 @@ async fn a_row_locked_by_another_session_cannot_pin_the_pool() {
     let read_started = Instant::now();
     let read = tokio::time::timeout(Duration::from_secs(3), async {
         let mut conn = env.pool.get().await.expect("a connection");
-        sql::<BigInt>("SELECT n FROM counters WHERE id = 2")
-            .get_result::<i64>(&mut *conn)
-            .await
+        // In a transaction, as everything on a pooled connection should be:
+        // behind transaction pooling (IDEM_TEST_VIA=pgbouncer) a bare
+        // statement's Parse and Bind may reach different server connections.
+        conn.transaction::<i64, DieselError, _>(async |conn| {
+            sql::<BigInt>("SELECT n FROM counters WHERE id = 2")
+                .get_result::<i64>(conn)
+                .await
+        })
+        .await
     })
     .await
     .expect("an unrelated read got a connection while the row stays locked");
@@ -268,6 +274,7 @@ async fn the_timeouts_travel_with_begin_in_one_round_trip() {
         &PoolConfig {
             max_size: 1,
             wait_timeout: Duration::from_secs(10),
+            ..Default::default()
         },
     )
     .unwrap();
