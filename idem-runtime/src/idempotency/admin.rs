@@ -5,10 +5,18 @@ use diesel::sql_types::{BigInt, Binary, Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
+use std::time::{Duration, Instant};
+
 use super::request::{storable, Scope};
 use super::store;
 use crate::error::Error;
 use crate::pool::Pool;
+use crate::retry::Isolation;
+use crate::tx::{CommitFailure, Tx};
+
+/// How long [`settle`]'s `COMMIT` may go unanswered before it is reported
+/// as [`Error::CommitUnknown`].
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What [`purge_expired`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -30,6 +38,12 @@ struct Count {
 /// Delete completed records past their retention, `batch` rows per
 /// statement; mark in-progress records whose lease ran out as outcome
 /// unknown. In-progress and unknown records are never deleted.
+///
+/// Each batch is a statement of its own (autocommit), so a long purge holds
+/// no lock for long. Give it a direct connection: behind a transaction
+/// pooler (PgBouncer) with prepared statements, run it inside a transaction
+/// instead, since a bare statement's Parse and Bind may reach different
+/// server connections there.
 pub async fn purge_expired(
     conn: &mut AsyncPgConnection,
     batch: i64,
@@ -88,24 +102,47 @@ pub async fn settle<S: Serialize + ?Sized>(
         // operator's call.
         storable(response, usize::MAX).map_err(Error::Unstorable)?;
     }
-    let mut conn = pool.get().await?;
-    let n = match settlement {
+    // In a transaction of its own, like every statement idem runs on a
+    // pooled connection: behind a transaction pooler a bare statement's
+    // Parse and Bind may reach different server connections.
+    let started = Instant::now();
+    let mut tx = Tx::begin(pool.get().await?, Isolation::ReadCommitted)
+        .await
+        .map_err(|failure| Error::Begin(failure.0))?;
+    let query = match settlement {
         Settlement::Completed(response) => {
             diesel::sql_query(store::SETTLE_COMPLETED)
                 .bind::<Text, _>(&scope)
                 .bind::<Text, _>(key)
                 .bind::<Jsonb, _>(response)
-                .execute(&mut *conn)
-                .await?
+                .execute(tx.conn())
+                .await
         }
         Settlement::Released => {
             diesel::sql_query(store::RELEASE)
                 .bind::<Text, _>(&scope)
                 .bind::<Text, _>(key)
                 .bind::<Nullable<Binary>, _>(None::<&[u8]>)
-                .execute(&mut *conn)
-                .await?
+                .execute(tx.conn())
+                .await
         }
     };
+    let n = match query {
+        Ok(n) => n,
+        Err(e) => {
+            tx.roll_back(SETTLE_TIMEOUT).await;
+            return Err(Error::Database(e));
+        }
+    };
+    tx.commit(SETTLE_TIMEOUT)
+        .await
+        .map_err(|failure| match failure {
+            CommitFailure::Unknown => Error::CommitUnknown {
+                attempts: 1,
+                elapsed: started.elapsed(),
+            },
+            CommitFailure::RolledBack => Error::RolledBack,
+            CommitFailure::Failed(e) => Error::Commit(e),
+        })?;
     Ok(n == 1)
 }
