@@ -40,6 +40,9 @@
 //! | version | name | creates |
 //! |---|---|---|
 //! | 1 | `version_guard` | the trigger function `idem_version_guard()` (no table), see [`backstop`](crate::versioned::backstop) |
+//! | 2 | `idem_requests` | the table `idem_requests` (the records of `#[idempotent]`) and its index `idem_requests_expiry` |
+//! | 3 | `idem_requests_owner` | the column `idem_requests.owner` (the external claim's token) |
+//! | 4 | `version_guard_identity` | replaces `idem_version_guard()` (identity columns, INSERT and DELETE); the table `idem_version_tombstones` and the function `idem_purge_version_tombstones(interval)`, see [`backstop`](crate::versioned::backstop#versions-never-repeat) |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -133,6 +136,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 3,
         name: "idem_requests_owner",
         sql: include_str!("../migrations/0003_idem_requests_owner.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "version_guard_identity",
+        sql: include_str!("../migrations/0004_version_guard_identity.sql"),
     },
 ];
 
