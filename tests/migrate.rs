@@ -74,7 +74,8 @@ async fn every_object_is_commented() {
 
     let uncommented: i64 = diesel::sql_query(
         "SELECT count(*) AS n FROM pg_attribute a \
-         WHERE a.attrelid = 'idem_schema_migrations'::regclass AND a.attnum > 0 AND NOT a.attisdropped \
+         WHERE a.attrelid IN ('idem_schema_migrations'::regclass, 'idem_version_tombstones'::regclass) \
+           AND a.attnum > 0 AND NOT a.attisdropped \
            AND col_description(a.attrelid, a.attnum) IS NULL",
     )
     .get_result::<Count>(&mut conn)
@@ -84,7 +85,9 @@ async fn every_object_is_commented() {
     assert_eq!(uncommented, 0);
     let commented: i64 = diesel::sql_query(
         "SELECT count(*) AS n WHERE obj_description('idem_schema_migrations'::regclass, 'pg_class') IS NOT NULL \
-           AND obj_description('idem_version_guard()'::regprocedure, 'pg_proc') LIKE '%IDV01%'",
+           AND obj_description('idem_version_guard()'::regprocedure, 'pg_proc') LIKE '%IDV01%IDV03%' \
+           AND obj_description('idem_version_tombstones'::regclass, 'pg_class') IS NOT NULL \
+           AND obj_description('idem_purge_version_tombstones(interval)'::regprocedure, 'pg_proc') IS NOT NULL",
     )
     .get_result::<Count>(&mut conn)
     .await

@@ -40,11 +40,12 @@
 //! | version | name | creates |
 //! |---|---|---|
 //! | 1 | `version_guard` | the trigger function `idem_version_guard()` (no table), see [`backstop`](crate::versioned::backstop) |
-//! | 2 | `idem_requests` | the table of idempotency records, see [`idempotency`](crate::idempotency) |
-//! | 3 | `idem_requests_owner` | the column `owner`: an external claim's token |
+//! | 2 | `idem_requests` | the table `idem_requests` (the records of `#[idempotent]`) and its index `idem_requests_expiry` |
+//! | 3 | `idem_requests_owner` | the column `idem_requests.owner` (the external claim's token) |
 //! | 4 | `idem_requests_scope_label` | the column `scope_label`: a short scope's readable form (`scope` becomes a hash) |
 //! | 5 | `outbox` | the tables `idem_outbox` and `idem_outbox_keys` and a `NOTIFY` trigger, see [`outbox`](crate::outbox) |
 //! | 6 | `inbox` | the table `idem_inbox` of messages a consumer has settled, see [`inbox`](crate::inbox) |
+//! | 7 | `version_guard_identity` | replaces `idem_version_guard()` (identity columns, INSERT and DELETE); the table `idem_version_tombstones` and the function `idem_purge_version_tombstones(interval)`, see [`backstop`](crate::versioned::backstop#versions-never-repeat) |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -153,6 +154,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 6,
         name: "inbox",
         sql: include_str!("../migrations/0006_inbox.sql"),
+    },
+    Migration {
+        version: 7,
+        name: "version_guard_identity",
+        sql: include_str!("../migrations/0007_version_guard_identity.sql"),
     },
 ];
 

@@ -99,6 +99,7 @@ pub(crate) fn model(model: &Model) -> TokenStream {
         row_preds.push((column(table, field), quote!(#binding)));
     }
     let row_filter = conjunction(&row_preds);
+    let identity_cols = row_preds.iter().map(|(col, _)| col);
     let mut cas_preds = row_preds.clone();
     cas_preds.push((version_col.clone(), quote!(__idem_expected)));
     let cas_filter = conjunction(&cas_preds);
@@ -186,6 +187,7 @@ pub(crate) fn model(model: &Model) -> TokenStream {
                     ::idem::__private::table_sql(#table::table)
                 }
                 const VERSION_COLUMN: &'static str = <#version_col as ::idem::__private::diesel::Column>::NAME;
+                const IDENTITY_COLUMNS: &'static [&'static str] = &[#(<#identity_cols as ::idem::__private::diesel::Column>::NAME,)*];
 
                 // `#vv` carries the span of the version field's type, so a type
                 // that is not an integer is reported once, at that type.

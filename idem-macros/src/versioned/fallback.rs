@@ -114,6 +114,7 @@ pub(crate) fn model(input: &ModelInput, roles: &Roles, err: syn::Error) -> Token
                     ::core::unreachable!()
                 }
                 const VERSION_COLUMN: &'static str = "";
+                const IDENTITY_COLUMNS: &'static [&'static str] = &[];
                 fn version(&self) -> i64 {
                     ::core::unreachable!()
                 }

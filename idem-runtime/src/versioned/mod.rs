@@ -118,6 +118,12 @@ pub trait Versioned: Sized + Send + Sync + 'static {
     fn table_sql() -> String;
     /// The SQL name of the version column.
     const VERSION_COLUMN: &'static str;
+    /// The SQL names of the columns that say which row this is: the tenant
+    /// column (unless `tenant = none`), then the key columns in declaration
+    /// order. [`install_version_guard`](backstop::install_version_guard)
+    /// hands them to the trigger, which refuses an UPDATE that changes one of
+    /// them and keys a deleted row's last version by them.
+    const IDENTITY_COLUMNS: &'static [&'static str];
 
     /// This row's version, widened to `i64`.
     fn version(&self) -> i64;

@@ -1,113 +1,6 @@
-//! The database backstop: once `install_version_guard` has run, SQL that
-//! forgets the version bump fails loudly, and versioned writes still work.
+//! The version check: an UPDATE must set the version to exactly old + 1.
 
-use diesel::prelude::*;
-use diesel::result::DatabaseErrorKind;
-use diesel::sql_types::BigInt;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idem::versioned::backstop::{
-    install_version_guard, install_version_guard_on, is_version_guard_violation,
-    VERSION_GUARD_MISCONFIGURED_SQLSTATE, VERSION_GUARD_SQLSTATE,
-};
-use idem::{Versioned, VersionedChanges, VersionedError};
-use tokio_postgres::error::{DbError, SqlState};
-
-diesel::table! {
-    documents (tenant_id, document_id) {
-        tenant_id -> Int8,
-        document_id -> Int8,
-        body -> Jsonb,
-        status -> Text,
-        version -> Int8,
-    }
-}
-
-#[derive(Debug, Clone, Queryable, Selectable, Versioned)]
-#[diesel(table_name = documents)]
-#[versioned(tenant = tenant_id, version = version, key = document_id, state = status)]
-struct Document {
-    tenant_id: i64,
-    document_id: i64,
-    body: serde_json::Value,
-    status: String,
-    version: i64,
-}
-
-#[derive(VersionedChanges)]
-#[versioned(model = Document)]
-#[diesel(table_name = documents)]
-struct Edit {
-    body: serde_json::Value,
-}
-
-const DOCUMENTS_DDL: &str = "CREATE TABLE documents (
-    tenant_id bigint NOT NULL,
-    document_id bigint NOT NULL,
-    body jsonb NOT NULL,
-    status text NOT NULL,
-    version bigint NOT NULL DEFAULT 0 CHECK (version >= 0),
-    PRIMARY KEY (tenant_id, document_id))";
-
-struct Fixture {
-    // Dropped last: the connections below must close before the database goes.
-    _db: idem_testing::TestDatabase,
-    conn: AsyncPgConnection,
-    raw: tokio_postgres::Client,
-}
-
-/// A migrated database with `documents` (documents 1..=3 of tenant 1, at
-/// version 0) and the guard installed on it.
-async fn guarded() -> Fixture {
-    let db = idem_testing::TestDatabase::create().await.unwrap();
-    let mut conn = AsyncPgConnection::establish(db.url()).await.unwrap();
-    idem::migrate::migrate(&mut conn).await.unwrap();
-    conn.batch_execute(DOCUMENTS_DDL).await.unwrap();
-    for id in 1..=3 {
-        Document {
-            tenant_id: 1,
-            document_id: id,
-            body: serde_json::json!({"n": id}),
-            status: "draft".into(),
-            version: 0,
-        }
-        .insert(&mut conn)
-        .await
-        .unwrap();
-    }
-    install_version_guard::<Document>(&mut conn).await.unwrap();
-    let raw = raw_client(db.url()).await;
-    Fixture { _db: db, conn, raw }
-}
-
-async fn raw_client(url: &str) -> tokio_postgres::Client {
-    idem_testing::connect(url).await.unwrap()
-}
-
-/// The server's error for a statement that must fail.
-async fn raw_error(raw: &tokio_postgres::Client, sql: &str) -> DbError {
-    let err = raw
-        .batch_execute(sql)
-        .await
-        .expect_err("the guard must refuse this statement");
-    err.as_db_error()
-        .unwrap_or_else(|| panic!("not a server error: {err}"))
-        .clone()
-}
-
-async fn rows(conn: &mut AsyncPgConnection) -> Vec<(i64, serde_json::Value, i64)> {
-    documents::table
-        .select((documents::document_id, documents::body, documents::version))
-        .order(documents::document_id)
-        .load(conn)
-        .await
-        .unwrap()
-}
-
-fn untouched() -> Vec<(i64, serde_json::Value, i64)> {
-    (1..=3)
-        .map(|id| (id, serde_json::json!({"n": id}), 0))
-        .collect()
-}
+use super::*;
 
 #[tokio::test]
 async fn update_without_bump_fails_with_the_documented_sqlstate() {
@@ -179,7 +72,7 @@ async fn bulk_update_that_forgets_the_version_changes_no_row() {
     .await
     .unwrap();
     assert_eq!(n, 3);
-    assert!(rows(&mut f.conn).await.iter().all(|(_, _, v)| *v == 1));
+    assert!(rows(&mut f.conn).await.iter().all(|(_, _, _, v)| *v == 1));
 }
 
 #[tokio::test]
@@ -262,7 +155,7 @@ async fn versioned_writes_still_work() {
         ),
         "{err:?}"
     );
-    // Deletes are not its business.
+    // A guarded delete passes (and leaves a tombstone, see `tombstones`).
     Document::delete(1)
         .tenant(1)
         .expect_version(2)
@@ -278,12 +171,6 @@ async fn versioned_writes_still_work() {
         .unwrap();
     let loaded = Document::find(2).tenant(1).load(&mut f.conn).await.unwrap();
     assert_eq!((loaded.status.as_str(), loaded.version), ("x", 1));
-}
-
-#[derive(QueryableByName)]
-struct Count {
-    #[diesel(sql_type = BigInt)]
-    n: i64,
 }
 
 #[tokio::test]
@@ -317,12 +204,12 @@ async fn any_table_and_column_name_is_quoted_safely() {
     let column = r#"v'e"r\s"#;
     conn.batch_execute(
         r#"CREATE TABLE x (id int);
-           CREATE TABLE "We""ird Ta'ble; DROP TABLE x" (id int PRIMARY KEY, note text, "v'e""r\s" bigint NOT NULL DEFAULT 0);
-           INSERT INTO "We""ird Ta'ble; DROP TABLE x" (id, note) VALUES (1, 'a');"#,
+           CREATE TABLE "We""ird Ta'ble; DROP TABLE x" ("i""d'" int PRIMARY KEY, note text, "v'e""r\s" bigint NOT NULL DEFAULT 0);
+           INSERT INTO "We""ird Ta'ble; DROP TABLE x" ("i""d'", note) VALUES (1, 'a');"#,
     )
     .await
     .unwrap();
-    install_version_guard_on(&mut conn, table, column)
+    install_version_guard_on(&mut conn, table, column, &[r#"i"d'"#])
         .await
         .unwrap();
 
@@ -340,6 +227,31 @@ async fn any_table_and_column_name_is_quoted_safely() {
     )
     .await
     .unwrap();
+    // The identity column's name reaches the trigger intact as well: it is
+    // refused by name, and the INSERT's lookups (a dynamic query on the table
+    // and the tombstone) find the deleted row.
+    let err = raw_error(
+        &raw,
+        r#"UPDATE "We""ird Ta'ble; DROP TABLE x" SET "i""d'" = 2, "v'e""r\s" = "v'e""r\s" + 1"#,
+    )
+    .await;
+    assert_eq!(err.code(), &SqlState::from_code("IDV03"));
+    assert_eq!(err.column(), Some(r#"i"d'"#));
+    raw.batch_execute(
+        r#"DELETE FROM "We""ird Ta'ble; DROP TABLE x";
+           INSERT INTO "We""ird Ta'ble; DROP TABLE x" ("i""d'", note) VALUES (1, 'c');"#,
+    )
+    .await
+    .unwrap();
+    let version: i64 = raw
+        .query_one(
+            r#"SELECT "v'e""r\s" FROM "We""ird Ta'ble; DROP TABLE x""#,
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 2, "one past the deleted row's version 1");
     let x_still_there: i64 =
         diesel::sql_query("SELECT count(*) AS n FROM pg_class WHERE relname = 'x'")
             .get_result::<Count>(&mut conn)
@@ -359,9 +271,14 @@ async fn a_guard_on_a_missing_column_fails_loudly_too() {
         .await
         .unwrap();
     // "Version" is not "version": names are used exactly as given.
-    install_version_guard_on(&mut conn, "documents", "Version")
-        .await
-        .unwrap();
+    install_version_guard_on(
+        &mut conn,
+        "documents",
+        "Version",
+        &["tenant_id", "document_id"],
+    )
+    .await
+    .unwrap();
     let raw = raw_client(db.url()).await;
     let err = raw_error(&raw, "UPDATE documents SET version = version + 1").await;
     assert_eq!(
@@ -390,7 +307,7 @@ async fn installing_before_migrating_is_an_error_not_a_silent_no_op() {
     assert_eq!(n, 0);
 }
 
-mod schema_qualified {
+pub(super) mod schema_qualified {
     use super::*;
 
     diesel::table! {
@@ -404,10 +321,10 @@ mod schema_qualified {
     #[derive(Debug, Queryable, Selectable, Versioned)]
     #[diesel(table_name = notes)]
     #[versioned(tenant = none, key = id)]
-    pub(super) struct Note {
-        id: i64,
-        body: String,
-        version: i64,
+    pub(crate) struct Note {
+        pub(crate) id: i64,
+        pub(crate) body: String,
+        pub(crate) version: i64,
     }
 
     /// Regression: the trigger went on a table named after the Rust module
