@@ -5,15 +5,22 @@
 use std::net::TcpStream;
 use std::time::Duration;
 
-use idem_testing::pgbouncer::PgBouncer;
+use idem_testing::pgbouncer::{PgBouncer, PgBouncerSettings};
 use idem_testing::{server_url, HarnessError, TestDatabase};
 
 /// Start one, or say why the machine cannot (no `pgbouncer` installed; CI
 /// installs it) and let the test pass.
 async fn start() -> Option<PgBouncer> {
-    let started = tokio::task::spawn_blocking(|| PgBouncer::start(&server_url()?))
-        .await
-        .unwrap();
+    // One server connection per database: what transaction pooling shares
+    // is then visible, whatever order PgBouncer picks idle ones in.
+    let settings = PgBouncerSettings {
+        pool_size: 1,
+        ..PgBouncerSettings::default()
+    };
+    let started =
+        tokio::task::spawn_blocking(move || PgBouncer::start_with(&server_url()?, &settings))
+            .await
+            .unwrap();
     match started {
         Ok(bouncer) => Some(bouncer),
         Err(e @ HarnessError::NoPgBouncer { .. }) => {
@@ -41,18 +48,30 @@ async fn a_fresh_database_is_reachable_and_pooled_by_transaction() {
     // The server connection's messages are untranslated (connect_query).
     let lc: String = a.query_one("SHOW lc_messages", &[]).await.unwrap().get(0);
     assert_eq!(lc, "C");
-    // Transaction pooling: two clients, one after the other outside any
-    // transaction, share one server connection.
+    // Transaction pooling: two connected clients share the one server
+    // connection (session pooling would keep `b` waiting while `a` is
+    // connected).
     let pid = |row: tokio_postgres::Row| row.get::<_, i32>(0);
     let first = pid(a.query_one("SELECT pg_backend_pid()", &[]).await.unwrap());
     let second = pid(b.query_one("SELECT pg_backend_pid()", &[]).await.unwrap());
-    assert_eq!(first, second, "the idle server connection was reused");
-    // A transaction keeps its server connection to itself.
+    assert_eq!(first, second, "one server connection serves both clients");
+    // A transaction keeps its server connection to itself: `b` waits for
+    // its end.
     a.batch_execute("BEGIN").await.unwrap();
     let in_tx = pid(a.query_one("SELECT pg_backend_pid()", &[]).await.unwrap());
-    let other = pid(b.query_one("SELECT pg_backend_pid()", &[]).await.unwrap());
-    assert_ne!(in_tx, other);
-    a.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(in_tx, first);
+    {
+        let waiting = b.query_one("SELECT pg_backend_pid()", &[]);
+        tokio::pin!(waiting);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut waiting)
+                .await
+                .is_err(),
+            "b ran while a's transaction held the server connection"
+        );
+        a.batch_execute("COMMIT").await.unwrap();
+        assert_eq!(pid(waiting.await.unwrap()), first);
+    }
 
     // Closing its server connections lets the database's backends exit.
     let direct = idem_testing::connect(db.url()).await.unwrap();
@@ -67,7 +86,7 @@ async fn a_fresh_database_is_reachable_and_pooled_by_transaction() {
             .unwrap()
             .get::<_, i64>(0)
     };
-    assert_eq!(backends().await, 2);
+    assert_eq!(backends().await, 1);
     drop((a, b));
     bouncer.close_server_connections(db.name()).await.unwrap();
     let until = std::time::Instant::now() + Duration::from_secs(10);
