@@ -34,6 +34,9 @@ pub struct Figures {
     /// Deliveries the broker made beyond one per message: each was either
     /// skipped by the inbox or a first delivery whose transaction died.
     redeliveries: u64,
+    /// Inbox records settled on a delivery after the first: the earlier
+    /// ones died before their transaction committed.
+    settled_late: i64,
 }
 
 impl Figures {
@@ -48,8 +51,13 @@ impl Figures {
             self.events, self.expected, self.unsent, self.seq_mismatches, self.unrecorded
         );
         println!(
-            "stream: messages={} distinct event ids={} ids the outbox never emitted={}; consumer redeliveries={}",
-            self.stored, self.published, self.unknown, self.redeliveries
+            "stream: messages={} distinct event ids={} ids the outbox never emitted={}",
+            self.stored, self.published, self.unknown
+        );
+        println!(
+            "consumer: redeliveries={}, events settled on a later delivery={} (the rest were \
+             redeliveries of committed events, which the inbox skipped)",
+            self.redeliveries, self.settled_late
         );
         self.events == self.expected
             && self.unsent == 0
@@ -133,6 +141,11 @@ pub async fn read(
         "SELECT count(*) - count(DISTINCT (order_id, step)) FROM chaos_applied",
     )
     .await;
+    let settled_late = count(
+        client,
+        "SELECT count(*) FROM idem_inbox WHERE deliveries > 1",
+    )
+    .await;
     let order_inversions = count(
         client,
         "SELECT count(*) FROM chaos_applied WHERE NOT in_order",
@@ -184,5 +197,6 @@ pub async fn read(
         duplicate_effects,
         order_inversions,
         redeliveries,
+        settled_late,
     }
 }

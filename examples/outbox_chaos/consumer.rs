@@ -7,11 +7,13 @@ use std::time::Duration;
 use diesel::sql_types::BigInt;
 use diesel::OptionalExtension;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idem::inbox::{Inbox, InboxConfig};
+use futures_util::StreamExt;
+use idem::inbox::{message_id, Inbox, InboxConfig, Outcome};
 use idem::pool::{build_pool_with, PoolConfig};
 use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 
 use crate::orders::{AppError, OrderChanged};
+use crate::relay::Stall;
 use crate::ChildArgs;
 
 /// The durable consumer's name, which is also the inbox's key space.
@@ -85,12 +87,58 @@ pub async fn main(args: ChildArgs) {
         .await
         .expect("the durable consumer");
     let inbox = Inbox::new(pool, NAME, InboxConfig::new()).expect("inbox");
-    let report = inbox
-        .run(&consumer, crate::stdin_closed(), apply)
+    let Some((Stall::Ack, after)) = args.stall else {
+        let report = inbox
+            .run(&consumer, crate::stdin_closed(), apply)
+            .await
+            .expect("the consumer loop");
+        println!(
+            "REPORT done={} duplicates={} retried={} errors={}",
+            report.done, report.duplicates, report.retried, report.errors
+        );
+        return;
+    };
+    // Run normally for `after`, then take messages by hand and stop dead
+    // once one has committed, before its ack: the crash the inbox exists
+    // for, at a moment a random kill almost never hits.
+    let closed = crate::stdin_closed();
+    tokio::pin!(closed);
+    let mut closing = false;
+    let until = async {
+        tokio::select! {
+            () = &mut closed => closing = true,
+            () = tokio::time::sleep(after) => {}
+        }
+    };
+    inbox
+        .run(&consumer, until, apply)
         .await
         .expect("the consumer loop");
-    println!(
-        "REPORT done={} duplicates={} retried={} errors={}",
-        report.done, report.duplicates, report.retried, report.errors
-    );
+    if closing {
+        return;
+    }
+    loop {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_secs(1))
+            .messages()
+            .await
+            .expect("fetch");
+        let Some(Ok(message)) = batch.next().await else {
+            continue;
+        };
+        let info = message.info().expect("a JetStream message");
+        let id = message_id(message.headers.as_ref(), info.stream_sequence);
+        let delivered = u64::try_from(info.delivered).unwrap_or(1);
+        let outcome = inbox
+            .handle(&id, &message.payload, delivered, apply)
+            .await
+            .expect("handled");
+        if let Outcome::Done(()) = outcome {
+            println!("STALLED ack {id}");
+            std::future::pending::<()>().await;
+        }
+        message.ack().await.expect("ack");
+    }
 }

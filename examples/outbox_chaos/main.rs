@@ -23,8 +23,11 @@
 //!   leased and not sent, i.e. in flight, and starts a new relay in its slot.
 //! * **Consumer** (`--consumer`, a separate process too): `Inbox::run` on a
 //!   durable pull consumer, applying each event to its own tables in the
-//!   transaction that records the message; it is also killed, at fixed
-//!   times, wherever it happens to be. The consumer allows one unacked
+//!   transaction that records the message. It is killed too: every other
+//!   time just after a message committed and before its ack (it handles
+//!   messages by hand with `Inbox::handle` for that, and says when it got
+//!   there), so that JetStream redelivers a message the inbox must skip;
+//!   the other times at a set moment, wherever it is. The consumer allows one unacked
 //!   message (`max_ack_pending = 1`): a message redelivered after a crash
 //!   then comes before any later one, which per-key order needs.
 //!
@@ -233,6 +236,11 @@ async fn run(args: Args) -> bool {
         args.seconds,
         relay::LEASE
     );
+    let span = Duration::from_secs(args.seconds);
+    let consumer_kills = u32::try_from(args.consumer_kills).unwrap_or(u32::MAX);
+    let consumer_kill_times: Vec<Duration> = (1..=consumer_kills)
+        .map(|k| span * k / (consumer_kills + 1))
+        .collect();
     let mut sup = Supervisor::new(
         ChildArgs {
             database: db.url().to_owned(),
@@ -240,7 +248,8 @@ async fn run(args: Args) -> bool {
             stream: stream.clone(),
             stall: None,
         },
-        stall_plan(args.kills, Duration::from_secs(args.seconds)),
+        stall_plan(args.kills, span),
+        consumer_kill_times,
     );
     sup.spawn(Role::Consumer, 0);
     for slot in 0..args.relays {
@@ -255,26 +264,17 @@ async fn run(args: Args) -> bool {
         },
     )
     .expect("producer pool");
-    let span = Duration::from_secs(args.seconds);
     let mut producer = Some(tokio::spawn(orders::produce(pool, args.orders, 8, span)));
     let expected = args.orders * orders::STEPS.len() as i64;
     let start = Instant::now();
-    let consumer_kill_times: Vec<Duration> = (1..=args.consumer_kills)
-        .map(|k| {
-            span * u32::try_from(k).unwrap_or(1)
-                / u32::try_from(args.consumer_kills + 1).unwrap_or(1)
-        })
-        .collect();
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     let mut producer_ok = true;
     loop {
         tokio::select! {
             Some(line) = sup.lines.recv() => sup.on_line(line, &client).await,
             _ = tick.tick() => {
-                if sup.consumer_kills.len() < consumer_kill_times.len()
-                    && start.elapsed() >= consumer_kill_times[sup.consumer_kills.len()]
-                {
-                    sup.kill_consumer();
+                if sup.timed_consumer_kill_due() {
+                    sup.kill_consumer(None, false);
                 }
                 sup.respawn_exited();
                 if producer.as_ref().is_some_and(|p| p.is_finished()) {

@@ -10,8 +10,9 @@ use idem::pool::{build_pool_with, PoolConfig};
 
 use crate::ChildArgs;
 
-/// Where a relay stops to be killed. Each is a moment of the relay's round
-/// (claim, publish every claimed head at once, mark the acked ones sent).
+/// Where a child stops to be killed. The first three are moments of a
+/// relay's round (claim, publish every claimed head at once, mark the acked
+/// ones sent); the last is the consumer's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stall {
     /// Claimed and leased, not yet handed to the broker: the event is in no
@@ -24,6 +25,9 @@ pub enum Stall {
     /// Every publish of the round acked, none marked sent: the whole batch
     /// is republished after the lease.
     Mark,
+    /// The consumer committed a message's effect and record, and has not
+    /// acked it: JetStream redelivers it, and the inbox must skip it.
+    Ack,
 }
 
 impl Stall {
@@ -32,11 +36,12 @@ impl Stall {
             Stall::Claim => "claim",
             Stall::Publish => "publish",
             Stall::Mark => "mark",
+            Stall::Ack => "ack",
         }
     }
 
     pub fn parse(name: &str) -> Option<Stall> {
-        [Stall::Claim, Stall::Publish, Stall::Mark]
+        [Stall::Claim, Stall::Publish, Stall::Mark, Stall::Ack]
             .into_iter()
             .find(|s| s.name() == name)
     }
@@ -47,6 +52,7 @@ impl Stall {
             Stall::Claim => "after claim, before publish",
             Stall::Publish => "after publish (acked), round still publishing",
             Stall::Mark => "after the whole round was acked, before mark-sent",
+            Stall::Ack => "after commit, before ack",
         }
     }
 }

@@ -54,12 +54,20 @@ pub struct Supervisor {
     pub lines: mpsc::UnboundedReceiver<Line>,
     started: Instant,
     pub relay_kills: Vec<Kill>,
-    pub consumer_kills: Vec<Duration>,
+    /// When the consumer is to die: the odd-numbered kills (1st, 3rd, ..)
+    /// after a commit and before its ack, the others wherever it is.
+    consumer_kill_times: Vec<Duration>,
+    /// When it died, and the message it had committed and not acked.
+    pub consumer_kills: Vec<(Duration, Option<String>)>,
     pub unexpected_exits: usize,
 }
 
 impl Supervisor {
-    pub fn new(base: ChildArgs, plan: Vec<(Stall, Duration)>) -> Supervisor {
+    pub fn new(
+        base: ChildArgs,
+        plan: Vec<(Stall, Duration)>,
+        consumer_kill_times: Vec<Duration>,
+    ) -> Supervisor {
         let (tx, lines) = mpsc::unbounded_channel();
         Supervisor {
             base,
@@ -70,6 +78,7 @@ impl Supervisor {
             lines,
             started: Instant::now(),
             relay_kills: Vec::new(),
+            consumer_kill_times,
             consumer_kills: Vec::new(),
             unexpected_exits: 0,
         }
@@ -78,8 +87,13 @@ impl Supervisor {
     /// Start this binary again as a relay or the consumer in `slot`; its
     /// stdout is read line by line into [`Supervisor::lines`].
     pub fn spawn(&mut self, role: Role, slot: usize) {
+        let next = self.consumer_kills.len();
         let stall = match role {
             Role::Relay => self.plan.pop_front(),
+            Role::Consumer if next % 2 == 0 => self
+                .consumer_kill_times
+                .get(next)
+                .map(|at| (Stall::Ack, *at)),
             Role::Consumer => None,
         };
         let exe = std::env::current_exe().expect("this binary's path");
@@ -141,8 +155,20 @@ impl Supervisor {
         (pid, status.signal() == Some(SIGKILL))
     }
 
+    /// Whether the next consumer kill is one at a set time, and it is due.
+    pub fn timed_consumer_kill_due(&self) -> bool {
+        let next = self.consumer_kills.len();
+        next % 2 == 1
+            && self
+                .consumer_kill_times
+                .get(next)
+                .is_some_and(|at| self.started.elapsed() >= *at)
+    }
+
     /// A relay said it stalled: check that its event is in flight (leased,
-    /// not sent), kill it there and start another in its slot.
+    /// not sent), kill it there and start another in its slot. The
+    /// consumer said it stalled: check that the message is recorded, kill
+    /// it before it acks.
     pub async fn on_line(&mut self, line: Line, client: &tokio_postgres::Client) {
         let current = self
             .children
@@ -152,10 +178,22 @@ impl Supervisor {
             let (stall, event) = rest.split_once(' ')?;
             Some((Stall::parse(stall)?, event.to_owned()))
         });
-        let Some((stall, event)) = stalled.filter(|_| current && line.role == Role::Relay) else {
+        let Some((stall, event)) = stalled.filter(|_| current) else {
             println!("{:?} {}: {}", line.role, line.slot, line.text);
             return;
         };
+        if line.role == Role::Consumer {
+            let recorded: Option<String> = client
+                .query_opt(
+                    "SELECT state FROM idem_inbox WHERE consumer = $1 AND msg_id = $2",
+                    &[&crate::consumer::NAME, &event],
+                )
+                .await
+                .expect("the inbox record")
+                .map(|row| row.get(0));
+            self.kill_consumer(Some(event), recorded.as_deref() == Some("done"));
+            return;
+        }
         let row = client
             .query_one(
                 "SELECT state, key, seq, (lease_until > clock_timestamp()) AS leased
@@ -196,13 +234,26 @@ impl Supervisor {
         self.spawn(Role::Relay, line.slot);
     }
 
-    /// Kill the consumer wherever it is (in a transaction, between commit
-    /// and ack, waiting for a message) and start another.
-    pub fn kill_consumer(&mut self) {
+    /// Kill the consumer and start another: wherever it is (in a
+    /// transaction, waiting for a message, ..) when `unacked` is None, else
+    /// stalled with that message committed (`recorded`) and not acked.
+    pub fn kill_consumer(&mut self, unacked: Option<String>, recorded: bool) {
         let (pid, by_signal) = self.kill(Role::Consumer, 0);
         let at = self.started.elapsed();
+        let moment = match &unacked {
+            Some(id) => format!(
+                "{}: message {id} {}",
+                Stall::Ack.moment(),
+                if recorded {
+                    "recorded done"
+                } else {
+                    "NOT recorded"
+                }
+            ),
+            None => "wherever it was".to_owned(),
+        };
         println!(
-            "consumer kill {}: pid {pid} at {:.1} s; {}",
+            "consumer kill {}: pid {pid} at {:.1} s, {moment}; {}",
             self.consumer_kills.len() + 1,
             at.as_secs_f64(),
             if by_signal {
@@ -211,8 +262,8 @@ impl Supervisor {
                 "did NOT die of SIGKILL"
             }
         );
-        self.unexpected_exits += usize::from(!by_signal);
-        self.consumer_kills.push(at);
+        self.unexpected_exits += usize::from(!by_signal || (unacked.is_some() && !recorded));
+        self.consumer_kills.push((at, unacked));
         self.spawn(Role::Consumer, 0);
     }
 
@@ -293,6 +344,29 @@ impl Supervisor {
                     kill.event
                 );
             }
+        }
+        for (at, id) in &self.consumer_kills {
+            let Some(id) = id else { continue };
+            // Recorded at its first delivery, and applied once although
+            // JetStream delivered it again after the kill.
+            let row = client
+                .query_one(
+                    "SELECT i.deliveries, (SELECT count(*) FROM idem_outbox o JOIN chaos_applied a
+                         ON 'order-' || a.order_id = o.key AND a.step = o.seq
+                         WHERE o.id::text = i.msg_id)
+                     FROM idem_inbox i WHERE i.consumer = $1 AND i.msg_id = $2",
+                    &[&crate::consumer::NAME, id],
+                )
+                .await
+                .expect("the unacked message's record");
+            let (deliveries, applied): (i64, i64) = (row.get(0), row.get(1));
+            let fine = deliveries == 1 && applied == 1;
+            ok &= fine;
+            println!(
+                "consumer kill at {:.1} s before the ack of {id}: recorded at delivery {deliveries}, applied {applied}×{}",
+                at.as_secs_f64(),
+                if fine { " (its redelivery was skipped by the inbox)" } else { "" }
+            );
         }
         let mut moments: Vec<_> = by_moment.into_iter().collect();
         moments.sort();
