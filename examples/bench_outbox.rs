@@ -387,6 +387,7 @@ async fn main() {
         &PoolConfig {
             max_size: 4,
             wait_timeout: Duration::from_secs(30),
+            ..PoolConfig::default()
         },
     )
     .expect("pool");

@@ -71,6 +71,7 @@ pub async fn main(args: ChildArgs) {
         &PoolConfig {
             max_size: 2,
             wait_timeout: Duration::from_secs(10),
+            ..PoolConfig::default()
         },
     )
     .expect("consumer pool");

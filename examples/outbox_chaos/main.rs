@@ -261,6 +261,7 @@ async fn run(args: Args) -> bool {
         &PoolConfig {
             max_size: 8,
             wait_timeout: Duration::from_secs(30),
+            ..PoolConfig::default()
         },
     )
     .expect("producer pool");

@@ -128,6 +128,7 @@ pub async fn main(args: ChildArgs) {
         &PoolConfig {
             max_size: 3,
             wait_timeout: Duration::from_secs(10),
+            ..PoolConfig::default()
         },
     )
     .expect("relay pool");
