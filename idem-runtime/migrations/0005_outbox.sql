@@ -29,8 +29,10 @@ CREATE TABLE idem_outbox (
     CHECK ((state = 'sent') = (sent_at IS NOT NULL))
 );
 
--- The relay finds the head of every key (its lowest unsent seq) here.
+-- The relay checks that nothing earlier of a key is unsent here.
 CREATE INDEX idem_outbox_unsent ON idem_outbox (key, seq) WHERE state <> 'sent';
+-- The relay's claim walks pending rows in the order they were written.
+CREATE INDEX idem_outbox_pending ON idem_outbox (created_at, seq) WHERE state = 'pending';
 -- The cleanup walks sent rows by age.
 CREATE INDEX idem_outbox_sent ON idem_outbox (sent_at) WHERE state = 'sent';
 
@@ -63,7 +65,8 @@ COMMENT ON COLUMN idem_outbox.next_attempt_at IS 'after a failure: not retried b
 COMMENT ON COLUMN idem_outbox.lease_until IS 'a relay claimed the event until this time; after it another relay may publish it again';
 COMMENT ON COLUMN idem_outbox.last_error IS 'what the last failed publish said';
 COMMENT ON COLUMN idem_outbox.sent_at IS 'when the broker acked the event; sent rows are deleted after the retention';
-COMMENT ON INDEX idem_outbox_unsent IS 'the relay finds the head (lowest unsent seq) of every key here';
+COMMENT ON INDEX idem_outbox_unsent IS 'the relay checks here that no earlier event of a key is unsent (only a key''s head is claimed)';
+COMMENT ON INDEX idem_outbox_pending IS 'the relay''s claim walks pending events in the order they were written';
 COMMENT ON INDEX idem_outbox_sent IS 'the cleanup deletes sent events past the retention by this';
 COMMENT ON FUNCTION idem_outbox_notify() IS 'NOTIFY idem_outbox on insert, so listening relays wake at commit';
 COMMENT ON TRIGGER idem_outbox_notify ON idem_outbox IS 'wakes relays: one NOTIFY per inserting statement, delivered at commit';

@@ -21,16 +21,24 @@ use super::publisher::OutboxMessage;
 /// relay leased it, or marked it sent), PostgreSQL re-checks the conditions
 /// on `o` against the newest row before locking it, so a head is never
 /// claimed twice within a lease, and a row that became sent is skipped.
+///
+/// The walk goes through pending rows in `(created_at, seq)` order on their
+/// partial index and stops after `$1` heads, so a round costs the batch, not
+/// the backlog. "Nothing earlier of this key is unsent" is read from the
+/// statement's snapshot, and can only be stale towards "still unsent" (sent
+/// is final; a later seq of a key is only assigned after the earlier one
+/// committed): a stale answer skips a head for one round, never claims a
+/// second event of a key.
 const CLAIM_SQL: &str = "
-WITH heads AS (
-    SELECT DISTINCT ON (key) id FROM idem_outbox
-    WHERE state <> 'sent'
-    ORDER BY key, seq
-), due AS (
-    SELECT o.id FROM idem_outbox o JOIN heads h ON h.id = o.id
+WITH due AS (
+    SELECT o.id FROM idem_outbox o
     WHERE o.state = 'pending'
       AND o.next_attempt_at <= now()
       AND (o.lease_until IS NULL OR o.lease_until < clock_timestamp())
+      AND NOT EXISTS (
+          SELECT FROM idem_outbox p
+          WHERE p.key = o.key AND p.seq < o.seq AND p.state <> 'sent'
+      )
     ORDER BY o.created_at, o.seq
     LIMIT $1
     FOR UPDATE OF o SKIP LOCKED
