@@ -10,7 +10,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::store::{self, Claim, ClaimOrRead, Complete, Lock, Read};
+use super::store::{self, Claim, ClaimOrRead, Complete, Identity, Lock, Read};
 use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode, MAX_STORED_DEPTH,
 };
@@ -117,13 +117,20 @@ impl Request {
         self.external().then_some(&self.owner[..])
     }
 
-    fn claim_statement(&self) -> Claim<'_> {
-        Claim {
+    /// The columns that name this request's record.
+    fn identity(&self) -> Identity<'_> {
+        Identity {
             scope: &self.scope.hash,
             scope_label: self.scope.label.as_deref(),
             key: &self.key,
             operation: &self.operation,
             fingerprint: &self.fingerprint,
+        }
+    }
+
+    fn claim_statement(&self) -> Claim<'_> {
+        Claim {
+            identity: self.identity(),
             mode: self.config.mode.as_str(),
             ttl_micros: micros(self.config.ttl),
             lease_micros: self.external().then(|| micros(self.config.lease)),
@@ -190,11 +197,7 @@ impl Request {
         response: &serde_json::Value,
     ) -> QueryResult<bool> {
         let written = Complete {
-            scope: &self.scope.hash,
-            scope_label: self.scope.label.as_deref(),
-            key: &self.key,
-            operation: &self.operation,
-            fingerprint: &self.fingerprint,
+            identity: self.identity(),
             outcome,
             response,
             ttl_micros: micros(self.config.ttl),

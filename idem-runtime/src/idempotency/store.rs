@@ -35,6 +35,35 @@ pub(crate) const COMPLETED: &str = "completed";
 pub(crate) const OK: &str = "ok";
 pub(crate) const ERROR: &str = "error";
 
+/// What names a record and the request it was made for: the first columns
+/// of both inserts ([`Claim`], [`Complete`]), bound in one place.
+#[derive(Clone, Copy)]
+pub(crate) struct Identity<'a> {
+    pub(crate) scope: &'a str,
+    /// The scope's readable form, when short (for people, never compared).
+    pub(crate) scope_label: Option<&'a str>,
+    pub(crate) key: &'a str,
+    pub(crate) operation: &'a str,
+    pub(crate) fingerprint: &'a [u8],
+}
+
+impl<'a> Identity<'a> {
+    /// The columns [`push_values`](Self::push_values) binds, in its order.
+    const COLUMNS: &'static str = "scope, scope_label, key, operation, fingerprint";
+
+    fn push_values<'b>(&'b self, out: &mut AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_bind_param::<Text, _>(self.scope)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Nullable<Text>, _>(&self.scope_label)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(self.key)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(self.operation)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Binary, _>(self.fingerprint)
+    }
+}
+
 /// Insert the claim, or take over a completed record whose retention ended;
 /// returns a row only when this request now owns the key.
 ///
@@ -44,12 +73,7 @@ pub(crate) const ERROR: &str = "error";
 /// against a claim not yet visible, i.e. a concurrent first request, and
 /// against an expired record.
 pub(crate) struct Claim<'a> {
-    pub(crate) scope: &'a str,
-    /// The scope's readable form, when short (for people, never compared).
-    pub(crate) scope_label: Option<&'a str>,
-    pub(crate) key: &'a str,
-    pub(crate) operation: &'a str,
-    pub(crate) fingerprint: &'a [u8],
+    pub(crate) identity: Identity<'a>,
     pub(crate) mode: &'a str,
     pub(crate) ttl_micros: i64,
     /// `None` in local mode: a local claim is never visible while in progress.
@@ -62,19 +86,10 @@ impl Claim<'_> {
     /// The INSERT, as a CTE of [`ClaimOrRead`]: its live-record test reads
     /// the `seen` CTE beside it.
     fn walk_insert<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(
-            "INSERT INTO idem_requests AS r \
-             (scope, scope_label, key, operation, fingerprint, mode, state, owner, expires_at, lease_until) SELECT ",
-        );
-        out.push_bind_param::<Text, _>(self.scope)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Nullable<Text>, _>(&self.scope_label)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(self.key)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(self.operation)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Binary, _>(self.fingerprint)?;
+        out.push_sql("INSERT INTO idem_requests AS r (");
+        out.push_sql(Identity::COLUMNS);
+        out.push_sql(", mode, state, owner, expires_at, lease_until) SELECT ");
+        self.identity.push_values(&mut out)?;
         out.push_sql(", ");
         out.push_bind_param::<Text, _>(self.mode)?;
         out.push_sql(", 'in_progress', ");
@@ -111,9 +126,9 @@ impl QueryFragment<Pg> for ClaimOrRead<'_> {
              lease_until < now() AS lease_expired, expires_at <= now() AS expired, owner \
              FROM idem_requests WHERE scope = ",
         );
-        out.push_bind_param::<Text, _>(self.0.scope)?;
+        out.push_bind_param::<Text, _>(self.0.identity.scope)?;
         out.push_sql(" AND key = ");
-        out.push_bind_param::<Text, _>(self.0.key)?;
+        out.push_bind_param::<Text, _>(self.0.identity.key)?;
         out.push_sql("), claimed AS (");
         self.0.walk_insert(out.reborrow())?;
         out.push_sql(
@@ -173,11 +188,7 @@ impl QueryFragment<Pg> for Record<'_> {
 /// committed after the snapshot makes it fail with 40001: both replay the
 /// attempt, whose read then finds the record.
 pub(crate) struct Complete<'a> {
-    pub(crate) scope: &'a str,
-    pub(crate) scope_label: Option<&'a str>,
-    pub(crate) key: &'a str,
-    pub(crate) operation: &'a str,
-    pub(crate) fingerprint: &'a [u8],
+    pub(crate) identity: Identity<'a>,
     pub(crate) outcome: &'a str,
     pub(crate) response: &'a serde_json::Value,
     pub(crate) ttl_micros: i64,
@@ -185,19 +196,10 @@ pub(crate) struct Complete<'a> {
 
 impl QueryFragment<Pg> for Complete<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(
-            "INSERT INTO idem_requests AS r (scope, scope_label, key, operation, fingerprint, \
-             mode, state, outcome, response, expires_at) VALUES (",
-        );
-        out.push_bind_param::<Text, _>(self.scope)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Nullable<Text>, _>(&self.scope_label)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(self.key)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(self.operation)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Binary, _>(self.fingerprint)?;
+        out.push_sql("INSERT INTO idem_requests AS r (");
+        out.push_sql(Identity::COLUMNS);
+        out.push_sql(", mode, state, outcome, response, expires_at) VALUES (");
+        self.identity.push_values(&mut out)?;
         out.push_sql(", 'local', 'completed', ");
         out.push_bind_param::<Text, _>(self.outcome)?;
         out.push_sql(", ");
