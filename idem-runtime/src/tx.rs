@@ -297,21 +297,21 @@ impl Tx {
     /// Best effort: without a Tokio runtime, or when the server refuses a
     /// cancel request without TLS, the statement runs to its end.
     pub(crate) fn cancel_and_discard(&mut self) {
-        if let (Some(conn), Ok(runtime)) = (self.conn.take(), tokio::runtime::Handle::try_current())
-        {
-            // Out of the pool for good; closed only once the cancel was
-            // delivered: behind a pooler (PgBouncer) a cancel is routed
-            // through the client's own connection, so closing it first
-            // would leave the statement running, locks held.
-            let conn = Object::take(conn);
-            let token = conn.cancel_token();
-            runtime.spawn(async move {
-                if let Err(err) = token.cancel_query(tokio_postgres::NoTls).await {
-                    tracing::debug!(error = %err, "could not cancel the abandoned transaction's statement");
-                }
-                drop(conn);
-            });
+        if let Some(conn) = self.conn.as_ref() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let token = conn.cancel_token();
+                runtime.spawn(async move {
+                    if let Err(err) = token.cancel_query(tokio_postgres::NoTls).await {
+                        tracing::debug!(error = %err, "could not cancel the abandoned transaction's statement");
+                    }
+                });
+            }
         }
+        // Closed at once, not after the cancel: PgBouncer 1.18 (Debian 12)
+        // was seen to exit when a cancel it was forwarding met its client's
+        // disconnect, taking every client down. Behind it, the cancel of a
+        // closed client is dropped; `client_connection_check_interval` on
+        // the server is then what ends the statement (see `Pooler`).
         self.discard();
     }
 }
