@@ -46,6 +46,7 @@
 //! | 5 | `outbox` | the tables `idem_outbox` and `idem_outbox_keys` and a `NOTIFY` trigger, see [`outbox`](crate::outbox) |
 //! | 6 | `inbox` | the table `idem_inbox` of messages a consumer has settled, see [`inbox`](crate::inbox) |
 //! | 7 | `version_guard_identity` | replaces `idem_version_guard()` (identity columns, INSERT and DELETE); the table `idem_version_tombstones` and the function `idem_purge_version_tombstones(interval)`, see [`backstop`](crate::versioned::backstop#versions-never-repeat) |
+//! | 8 | `jobs` | the table `idem_jobs` of delayed compensation jobs, see [`jobs`](crate::jobs) |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -159,6 +160,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 7,
         name: "version_guard_identity",
         sql: include_str!("../migrations/0007_version_guard_identity.sql"),
+    },
+    Migration {
+        version: 8,
+        name: "jobs",
+        sql: include_str!("../migrations/0008_jobs.sql"),
     },
 ];
 
