@@ -6,6 +6,7 @@ pub mod attempt;
 mod error;
 pub mod idempotency;
 pub mod inbox;
+pub mod jobs;
 pub mod migrate;
 pub mod outbox;
 pub mod pool;

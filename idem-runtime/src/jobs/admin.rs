@@ -1,0 +1,144 @@
+//! The operator's side of the queue: dead jobs, requeue, counts.
+
+use std::time::Duration;
+
+use diesel_async::AsyncPgConnection;
+
+use super::{store, JobId};
+
+/// What [`requeue`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requeued {
+    /// The dead job is due now, with its run count reset.
+    Due,
+    /// An unfinished job of the same kind and key exists (the queue holds
+    /// one per kind and key): the dead job was left dead.
+    LiveExists,
+    /// No dead job has this id (never dead, requeued already, or done).
+    NotDead,
+}
+
+/// Make a dead job due again now, its run count reset so the whole
+/// [`Ladder`](super::Ladder) applies anew; its `last_error` is kept.
+///
+/// ```no_run
+/// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), diesel::result::Error> {
+/// use idem_runtime::jobs::{dead, requeue};
+/// for job in dead(conn, Some("order.mark_paid"), 100).await? {
+///     requeue(conn, job.id).await?;
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+///
+/// What PostgreSQL said.
+pub async fn requeue(
+    conn: &mut AsyncPgConnection,
+    id: JobId,
+) -> Result<Requeued, diesel::result::Error> {
+    Ok(match store::requeue(conn, id.0).await? {
+        store::Revived::Due => Requeued::Due,
+        store::Revived::LiveExists => Requeued::LiveExists,
+        store::Revived::NotDead => Requeued::NotDead,
+    })
+}
+
+/// A dead job, as [`dead`] lists it.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct DeadJob {
+    /// Its id, for [`requeue`].
+    pub id: JobId,
+    /// [`Job::KIND`](super::Job::KIND).
+    pub kind: String,
+    /// [`Job::key`](super::Job::key).
+    pub key: String,
+    /// The job as JSON.
+    pub payload: serde_json::Value,
+    /// Runs started before it died.
+    pub attempts: i32,
+    /// What its last run said.
+    pub last_error: String,
+    /// How long ago it died.
+    pub dead_for: Duration,
+}
+
+/// Dead jobs of `kind` (or of every kind), oldest first, at most `limit`.
+///
+/// # Errors
+///
+/// What PostgreSQL said.
+pub async fn dead(
+    conn: &mut AsyncPgConnection,
+    kind: Option<&str>,
+    limit: i64,
+) -> Result<Vec<DeadJob>, diesel::result::Error> {
+    let rows = store::dead(conn, kind, limit).await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| DeadJob {
+            id: JobId(r.id),
+            kind: r.kind,
+            key: r.key,
+            payload: r.payload,
+            attempts: r.attempts,
+            last_error: r.last_error,
+            dead_for: Duration::from_secs_f64(r.dead_for_secs.max(0.0)),
+        })
+        .collect())
+}
+
+/// The queue's counts, for gauges and health checks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct JobStats {
+    /// Jobs waiting for their due time or for a worker.
+    pub due: i64,
+    /// Jobs a worker holds (or held, until their lease runs out).
+    pub running: i64,
+    /// Jobs parked after failing past the ladder, waiting for a requeue.
+    pub dead: i64,
+    /// How long the job that has been due longest has waited past its due
+    /// time; `None` when no job is overdue. Growing means too few workers.
+    pub oldest_due: Option<Duration>,
+}
+
+impl JobStats {
+    /// Set the gauges `idem_jobs_due`, `idem_jobs_running`, `idem_jobs_dead`
+    /// and `idem_jobs_oldest_due_seconds` (feature `metrics`).
+    /// [`Worker::run`](super::Worker::run) does this every
+    /// [`gauge_interval`](super::Worker::gauge_interval).
+    #[cfg(feature = "metrics")]
+    pub fn record_gauges(&self) {
+        metrics::gauge!("idem_jobs_due").set(self.due as f64);
+        metrics::gauge!("idem_jobs_running").set(self.running as f64);
+        metrics::gauge!("idem_jobs_dead").set(self.dead as f64);
+        metrics::gauge!("idem_jobs_oldest_due_seconds")
+            .set(self.oldest_due.map_or(0.0, |age| age.as_secs_f64()));
+    }
+}
+
+/// Count the queue's jobs by state.
+///
+/// ```no_run
+/// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), diesel::result::Error> {
+/// let stats = idem_runtime::jobs::stats(conn).await?;
+/// assert_eq!(stats.dead, 0, "a compensation gave up");
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+///
+/// What PostgreSQL said.
+pub async fn stats(conn: &mut AsyncPgConnection) -> Result<JobStats, diesel::result::Error> {
+    let row = store::stats(conn).await?;
+    Ok(JobStats {
+        due: row.due,
+        running: row.running,
+        dead: row.dead,
+        oldest_due: row
+            .oldest_due_secs
+            .map(|secs| Duration::from_secs_f64(secs.max(0.0))),
+    })
+}

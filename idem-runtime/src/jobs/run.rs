@@ -1,0 +1,171 @@
+//! One run of one claimed job: its handler under the retry loop, with the
+//! job's deletion as the attempt's first statement, then the failure (if
+//! any) recorded against the ladder.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use diesel_async::AsyncPgConnection;
+use scoped_futures::ScopedBoxFuture;
+
+use super::store::{self, Claimed};
+use super::{Job, Ladder};
+use crate::error::Error;
+use crate::pool::Pool;
+use crate::retry::{RetryLoop, RetryPolicy, Step};
+
+type BoxFuture<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
+
+/// A handler with its job type erased: it decodes the payload itself, so a
+/// worker holds the handlers of many kinds in one map.
+pub(crate) type Handler = Arc<
+    dyn for<'c> Fn(
+            &'c mut AsyncPgConnection,
+            &'c serde_json::Value,
+        ) -> BoxFuture<'c, Result<(), Failure>>
+        + Send
+        + Sync,
+>;
+
+/// Why a run did not complete.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The retry loop's own failure (budget spent, no connection, ..).
+    Idem(Error),
+    /// The handler's error, as its `Display` wrote it.
+    Handler(String),
+    /// The payload does not decode as the kind's job type: no later run
+    /// can do better, so the job dies at once.
+    Payload(serde_json::Error),
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure::Idem(e)
+    }
+}
+
+impl Failure {
+    fn text(&self) -> String {
+        match self {
+            Failure::Idem(e) => e.to_string(),
+            Failure::Handler(e) => e.clone(),
+            Failure::Payload(e) => format!("the payload does not decode: {e}"),
+        }
+    }
+}
+
+/// Erase a typed handler.
+pub(crate) fn erase<J, E, F>(handler: F) -> Handler
+where
+    J: Job,
+    E: Display + Send + 'static,
+    F: for<'c> Fn(&'c mut AsyncPgConnection, &'c J) -> ScopedBoxFuture<'static, 'c, Result<(), E>>
+        + Send
+        + Sync
+        + 'static,
+{
+    let handler = Arc::new(handler);
+    Arc::new(move |conn, payload| {
+        let handler = Arc::clone(&handler);
+        // Decoded on every attempt: a replayed attempt starts from the
+        // stored payload, like any replayed body from its arguments.
+        let job = J::deserialize(payload);
+        Box::pin(async move {
+            let job = job.map_err(Failure::Payload)?;
+            handler(conn, &job)
+                .await
+                .map_err(|e| Failure::Handler(e.to_string()))
+        })
+    })
+}
+
+/// How one run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// The handler's effect and the job's deletion committed.
+    Done,
+    /// Failed; due again after the ladder's next step.
+    Retry,
+    /// Failed past the ladder (or undecodable): parked as dead.
+    Dead,
+    /// A newer run of the job took over (this one outlived its lease), or
+    /// the failure could not be recorded: the lease decides what is next.
+    Lost,
+}
+
+/// Run `job` with `handler` under `policy`.
+pub(crate) async fn run(
+    pool: &Pool,
+    policy: RetryPolicy,
+    ladder: &Ladder,
+    handler: &Handler,
+    job: &Claimed,
+) -> Ended {
+    let mut retry_loop = RetryLoop::new(pool, policy, "idem.jobs");
+    let result: Result<bool, Failure> = loop {
+        let mut attempt = match retry_loop.begin().await {
+            Ok(attempt) => attempt,
+            Err(err) => break Err(Failure::Idem(err)),
+        };
+        let conn = attempt.conn();
+        let step = retry_loop
+            .scope(async move {
+                // First, so the row lock keeps other claims off the job for
+                // as long as the handler's transaction is open.
+                let ours = store::complete(conn, job.id, job.attempts)
+                    .await
+                    .map_err(|e| Failure::Idem(Error::Database(e)))?;
+                if !ours {
+                    return Ok(Step::Answer(false));
+                }
+                handler(conn, &job.payload).await?;
+                Ok(Step::Commit(true))
+            })
+            .await;
+        if let ControlFlow::Break(result) = retry_loop.finish(attempt, step).await {
+            break result;
+        }
+    };
+    let failure = match result {
+        Ok(true) => {
+            tracing::debug!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, "job done");
+            return Ended::Done;
+        }
+        Ok(false) => {
+            tracing::info!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, "job taken over by a newer run; this run did nothing");
+            return Ended::Lost;
+        }
+        Err(failure) => failure,
+    };
+    let retry_after = match failure {
+        Failure::Payload(_) => None,
+        _ => ladder.after_failure(u32::try_from(job.attempts).unwrap_or(u32::MAX)),
+    };
+    let error = failure.text();
+    let recorded = match pool.get().await {
+        Ok(mut conn) => store::fail(&mut conn, job.id, job.attempts, &error, retry_after).await,
+        Err(e) => {
+            tracing::warn!(job_id = job.id, error = %e, "could not record a failed job run; its lease will bring it back");
+            return Ended::Lost;
+        }
+    };
+    match (recorded, retry_after) {
+        (Ok(true), Some(after)) => {
+            tracing::warn!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, ?after, error, "job failed; due again after the ladder's next step");
+            Ended::Retry
+        }
+        (Ok(true), None) => {
+            tracing::error!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, error, "job parked as dead; requeue it once fixed");
+            Ended::Dead
+        }
+        (Ok(false), _) => Ended::Lost,
+        (Err(e), _) => {
+            tracing::warn!(job_id = job.id, error = %e, "could not record a failed job run; its lease will bring it back");
+            Ended::Lost
+        }
+    }
+}
