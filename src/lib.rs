@@ -86,6 +86,18 @@ pub mod inbox {
     };
 }
 
+/// The delayed compensation queue: [`enqueue`](jobs::enqueue) a job in the
+/// transaction that decides to compensate, and a [`Worker`](jobs::Worker)
+/// runs it later under the retry loop, its effect committed with its
+/// completion; failures wait on a [`Ladder`](jobs::Ladder) (5 s, 30 s,
+/// 2 min), then the job is dead until [`requeue`](jobs::requeue)d.
+pub mod jobs {
+    pub use idem_runtime::jobs::{
+        dead, enqueue, enqueue_after, requeue, stats, DeadJob, EnqueueError, Enqueued, InvalidJob,
+        Job, JobId, JobStats, Ladder, Requeued, Round, Worker, WorkerError,
+    };
+}
+
 #[cfg(feature = "axum")]
 pub mod http;
 

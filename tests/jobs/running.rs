@@ -1,0 +1,134 @@
+//! A run: the handler's effect and the job's completion commit together,
+//! under the retry loop; an open run is never claimed again.
+
+use idem::attempt::current_attempt;
+
+use super::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_effect_and_the_completion_commit_together() {
+    let env = env().await;
+    enqueue_new(&env, "ok").await;
+    enqueue_new(&env, "bad").await;
+    let worker = worker(&env.pool, |job| {
+        (job.key == "bad").then(|| "cannot compensate bad".to_owned())
+    });
+    let round = worker.run_once().await.expect("round");
+    assert_eq!(
+        (round.claimed, round.done, round.retried),
+        (2, 1, 1),
+        "{round:?}"
+    );
+
+    // Done: effect committed, job gone.
+    assert_eq!(env.effects("ok").await, 1);
+    assert!(env.jobs("ok").await.is_empty());
+    // Failed: the effect the handler wrote rolled back with it; the job is
+    // due again, its failure recorded.
+    assert_eq!(env.effects("bad").await, 0);
+    assert_eq!(
+        env.jobs("bad").await,
+        [(
+            "due".to_owned(),
+            1,
+            Some("refused: cannot compensate bad".to_owned())
+        )]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_attempt_applies_the_effect_once() {
+    use diesel_async::RunQueryDsl;
+    let env = env().await;
+    enqueue_new(&env, "a").await;
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let worker = Worker::new(env.pool.clone()).handle(move |conn, job: &Compensate| {
+        seen.tick();
+        async move {
+            record_effect(conn, &job.key, "").await?;
+            if current_attempt() == Some(1) {
+                // A real 40001 from the server, after the effect was written.
+                diesel::sql_query(
+                    "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access' \
+                     USING ERRCODE = 'serialization_failure'; END $$",
+                )
+                .execute(conn)
+                .await?;
+            }
+            Ok::<_, AppError>(())
+        }
+        .scope_boxed()
+    });
+    let round = worker.run_once().await.expect("round");
+    assert_eq!(round.done, 1, "{round:?}");
+    assert_eq!(calls.get(), 2, "replayed once by the retry loop");
+    assert_eq!(env.effects("a").await, 1);
+    assert!(env.jobs("a").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_run_is_not_claimed_again_past_its_lease() {
+    use diesel_async::RunQueryDsl;
+    let env = env().await;
+    enqueue_new(&env, "slow").await;
+    let slow = Worker::new(env.pool.clone())
+        .lease(Duration::from_millis(100))
+        .handle(|conn, job: &Compensate| {
+            async move {
+                record_effect(conn, &job.key, "slow").await?;
+                diesel::sql_query("SELECT pg_sleep(0.8)")
+                    .execute(conn)
+                    .await?;
+                Ok::<_, AppError>(())
+            }
+            .scope_boxed()
+        });
+    let running = tokio::spawn(async move { slow.run_once().await });
+    // The lease runs out while the run's transaction is open: another
+    // worker polling all along claims nothing.
+    // Once the handler sleeps, its transaction has deleted (and locked)
+    // the job's row.
+    env.until(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE query = 'SELECT pg_sleep(0.8)' AND state = 'active'",
+        1,
+    )
+    .await;
+    env.until(
+        "SELECT count(*) FROM idem_jobs WHERE state = 'running' AND locked_until < now()",
+        1,
+    )
+    .await;
+    let other = worker(&env.pool, |_| None);
+    let started = Instant::now();
+    let mut claimed = 0;
+    while started.elapsed() < Duration::from_millis(500) {
+        claimed += other.run_once().await.expect("round").claimed;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(claimed, 0);
+    let round = running.await.expect("no panic").expect("round");
+    assert_eq!(round.done, 1, "{round:?}");
+    assert_eq!(env.effects("slow").await, 1);
+    assert!(env.jobs("slow").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_that_does_not_decode_dies_at_once() {
+    let env = env().await;
+    env.client
+        .execute(
+            "INSERT INTO idem_jobs (kind, key, payload) VALUES ('compensate', 'odd', '{\"nope\": 1}')",
+            &[],
+        )
+        .await
+        .expect("insert");
+    let round = worker(&env.pool, |_| None).run_once().await.expect("round");
+    assert_eq!(round.dead, 1, "{round:?}");
+    let jobs = env.jobs("odd").await;
+    assert_eq!((jobs[0].0.as_str(), jobs[0].1), ("dead", 1));
+    let error = jobs[0].2.as_deref().unwrap_or_default();
+    assert!(error.contains("does not decode"), "{error}");
+    assert_eq!(env.effects("odd").await, 0);
+}
