@@ -78,11 +78,11 @@ pub async fn dead(
     Ok(rows
         .into_iter()
         .map(|r| DeadJob {
-            id: JobId(r.id),
-            kind: r.kind,
-            key: r.key,
-            payload: r.payload,
-            attempts: r.attempts,
+            id: JobId(r.job.id),
+            kind: r.job.kind,
+            key: r.job.key,
+            payload: r.job.payload,
+            attempts: r.job.attempts,
             last_error: r.last_error,
             dead_for: Duration::from_secs_f64(r.dead_for_secs.max(0.0)),
         })

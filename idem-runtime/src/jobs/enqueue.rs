@@ -65,6 +65,11 @@ pub enum EnqueueError {
         #[source]
         source: serde_json::Error,
     },
+    /// Jobs of this kind and key kept finishing between the insert that met
+    /// them and the lookup that should have found them. Reported to the
+    /// retry loop as a lost race, so the attempt is replayed.
+    #[error("jobs of this kind and key kept finishing while the enqueue looked for them")]
+    Raced,
     /// A statement failed. A serialization failure or a deadlock here is
     /// replayed by the retry loop like any other statement of the attempt.
     #[error("writing the job failed: {0}")]
@@ -167,27 +172,22 @@ pub async fn enqueue_after<J: Job>(
             return Ok(Enqueued::Collapsed(JobId(id)));
         }
     }
-    // Jobs of this key keep finishing under us: whatever runs now started
-    // after this enqueue, which is all a collapse promises.
-    Err(EnqueueError::Database(diesel::result::Error::NotFound))
+    // Runs of this key keep committing under us; a replayed attempt will
+    // most likely find one way or the other at once.
+    crate::attempt::lost_race();
+    Err(EnqueueError::Raced)
 }
 
-/// Check a kind or key: 1 to 255 bytes, no control characters.
+/// Check a kind or key: the rules of an outbox event's key.
 pub(crate) fn validate(what: &'static str, value: &str) -> Result<(), InvalidJob> {
-    let reason = if value.is_empty() {
-        "empty"
-    } else if value.len() > 255 {
-        "longer than 255 bytes"
-    } else if value.chars().any(char::is_control) {
-        "has control characters"
-    } else {
-        return Ok(());
-    };
-    Err(InvalidJob {
-        what,
-        value: value.to_owned(),
-        reason,
-    })
+    match crate::outbox::event::key_problem(value) {
+        None => Ok(()),
+        Some(reason) => Err(InvalidJob {
+            what,
+            value: value.to_owned(),
+            reason,
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -214,19 +214,12 @@ pub(crate) async fn requeue(conn: &mut AsyncPgConnection, id: i64) -> Result<Rev
     })
 }
 
-/// A dead job, as [`dead`](super::dead) lists it.
+/// A dead job, as [`dead`](super::dead) lists it: the columns a claim
+/// reads, and why and since when it is dead.
 #[derive(QueryableByName)]
 pub(crate) struct DeadRow {
-    #[diesel(sql_type = BigInt)]
-    pub(crate) id: i64,
-    #[diesel(sql_type = Text)]
-    pub(crate) kind: String,
-    #[diesel(sql_type = Text)]
-    pub(crate) key: String,
-    #[diesel(sql_type = Jsonb)]
-    pub(crate) payload: serde_json::Value,
-    #[diesel(sql_type = Integer)]
-    pub(crate) attempts: i32,
+    #[diesel(embed)]
+    pub(crate) job: Claimed,
     #[diesel(sql_type = Text)]
     pub(crate) last_error: String,
     #[diesel(sql_type = Double)]

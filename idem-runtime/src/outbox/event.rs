@@ -106,19 +106,27 @@ pub enum InvalidEvent {
 
 /// Check an ordering key.
 pub(crate) fn validate_key(key: &str) -> Result<(), InvalidEvent> {
-    let reason = if key.is_empty() {
-        "empty"
+    match key_problem(key) {
+        None => Ok(()),
+        Some(reason) => Err(InvalidEvent::Key {
+            key: key.to_owned(),
+            reason,
+        }),
+    }
+}
+
+/// What is wrong with a key (an event's, or a job's kind or key), if
+/// anything: 1 to 255 bytes, no control characters.
+pub(crate) fn key_problem(key: &str) -> Option<&'static str> {
+    if key.is_empty() {
+        Some("empty")
     } else if key.len() > 255 {
-        "longer than 255 bytes"
+        Some("longer than 255 bytes")
     } else if key.chars().any(char::is_control) {
-        "has control characters"
+        Some("has control characters")
     } else {
-        return Ok(());
-    };
-    Err(InvalidEvent::Key {
-        key: key.to_owned(),
-        reason,
-    })
+        None
+    }
 }
 
 /// Check a subject: tokens of visible ASCII separated by single dots.

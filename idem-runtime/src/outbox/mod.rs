@@ -26,7 +26,7 @@
 //!   Consumers should still deduplicate on the id past that window.
 
 mod emit;
-mod event;
+pub(crate) mod event;
 #[cfg(feature = "nats")]
 mod nats;
 mod publisher;
