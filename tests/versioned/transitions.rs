@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use idem::versioned::{Pending as Statement, StateMachine, Transitioned};
+use idem::versioned::{StateMachine, Transitioned};
 use idem::States;
 use idem_testing::proxy::{Fault, Proxy};
 
@@ -102,6 +102,22 @@ async fn stored(conn: &mut AsyncPgConnection, id: i64) -> (Order, String, String
     (order, raw.xmin, raw.status)
 }
 
+/// `Order::update(id).tenant(tenant).expect_version(version).transition(from, to)`.
+async fn transition(
+    conn: &mut AsyncPgConnection,
+    (tenant, id): (i64, i64),
+    version: i64,
+    from: OrderStatus,
+    to: OrderStatus,
+) -> Result<Transitioned<Order>, VersionedError> {
+    Order::update(id)
+        .tenant(tenant)
+        .expect_version(version)
+        .transition(from, to)
+        .execute(conn)
+        .await
+}
+
 fn applied(outcome: Transitioned<Order>) -> Order {
     match outcome {
         Transitioned::Applied(row) => row,
@@ -136,11 +152,7 @@ async fn an_allowed_transition_applies_and_bumps_the_version() {
     new_order(&mut conn, 1).await;
 
     let paid = applied(
-        Order::update(1)
-            .tenant(1)
-            .expect_version(0)
-            .transition(Pending, Paid)
-            .execute(&mut conn)
+        transition(&mut conn, (1, 1), 0, Pending, Paid)
             .await
             .unwrap(),
     );
@@ -183,11 +195,7 @@ async fn an_illegal_transition_is_refused_before_any_sql() {
     proxy.arm("orders", Fault::CutBefore);
 
     for (from, to) in [(Pending, Shipped), (Paid, Pending), (Shipped, Shipped)] {
-        let err = Order::update(1)
-            .tenant(1)
-            .expect_version(0)
-            .transition(from, to)
-            .execute(&mut watched)
+        let err = transition(&mut watched, (1, 1), 0, from, to)
             .await
             .unwrap_err();
         match &err {
@@ -204,11 +212,7 @@ async fn an_illegal_transition_is_refused_before_any_sql() {
     assert_eq!(proxy.fired(), 0, "a refused transition reached the server");
 
     // The detector works: an allowed transition on the same connection is cut.
-    let err = Order::update(1)
-        .tenant(1)
-        .expect_version(0)
-        .transition(Pending, Paid)
-        .execute(&mut watched)
+    let err = transition(&mut watched, (1, 1), 0, Pending, Paid)
         .await
         .unwrap_err();
     assert!(matches!(err, VersionedError::Database(_)), "{err:?}");
@@ -223,20 +227,19 @@ async fn an_illegal_transition_is_refused_before_any_sql() {
 async fn a_repeated_transition_is_a_duplicate_not_a_conflict() {
     let (_db, mut conn) = orders_db().await;
     new_order(&mut conn, 1).await;
-    fn pay(conn: &mut AsyncPgConnection) -> Statement<'_, Transitioned<Order>> {
-        Order::update(1)
-            .tenant(1)
-            .expect_version(0)
-            .transition(Pending, Paid)
-            .execute(conn)
-    }
-
-    let first = applied(pay(&mut conn).await.unwrap());
+    let first = applied(
+        transition(&mut conn, (1, 1), 0, Pending, Paid)
+            .await
+            .unwrap(),
+    );
     let (_, xmin, _) = stored(&mut conn, 1).await;
 
     // The same callback, twice more: answered as success, with the row.
     for _ in 0..2 {
-        match pay(&mut conn).await.unwrap() {
+        match transition(&mut conn, (1, 1), 0, Pending, Paid)
+            .await
+            .unwrap()
+        {
             Transitioned::Duplicate(row) => assert_eq!(row, first),
             other => panic!("expected Duplicate, got {other:?}"),
         }
@@ -246,14 +249,12 @@ async fn a_repeated_transition_is_a_duplicate_not_a_conflict() {
     assert_eq!(xmin_after, xmin, "a duplicate wrote the row");
 
     // Once the row has moved on, the old transition is a conflict again.
-    Order::update(1)
-        .tenant(1)
-        .expect_version(1)
-        .transition(Paid, Shipped)
-        .execute(&mut conn)
+    transition(&mut conn, (1, 1), 1, Paid, Shipped)
         .await
         .unwrap();
-    let err = pay(&mut conn).await.unwrap_err();
+    let err = transition(&mut conn, (1, 1), 0, Pending, Paid)
+        .await
+        .unwrap_err();
     assert_stale(&err, 0, 2);
 }
 
@@ -268,11 +269,7 @@ async fn race_behind_a_paid_transaction(
     let mut holder = AsyncPgConnection::establish(db.url()).await.unwrap();
     let mut observer = AsyncPgConnection::establish(db.url()).await.unwrap();
     holder.batch_execute("BEGIN").await.unwrap();
-    let won = Order::update(1)
-        .tenant(1)
-        .expect_version(0)
-        .transition(Pending, Paid)
-        .execute(&mut holder)
+    let won = transition(&mut holder, (1, 1), 0, Pending, Paid)
         .await
         .unwrap();
     assert!(!won.is_duplicate());
@@ -280,12 +277,7 @@ async fn race_behind_a_paid_transaction(
     let url = db.url().to_owned();
     let racer = tokio::spawn(async move {
         let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
-        Order::update(1)
-            .tenant(1)
-            .expect_version(0)
-            .transition(from, to)
-            .execute(&mut conn)
-            .await
+        transition(&mut conn, (1, 1), 0, from, to).await
     });
     // Commit only once the racer's UPDATE is blocked on the row: the two
     // statements really overlap.
@@ -352,11 +344,7 @@ async fn many_racers_of_one_transition_all_succeed_once_applied() {
         tasks.push(tokio::spawn(async move {
             let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
             barrier.wait().await;
-            Order::update(1)
-                .tenant(1)
-                .expect_version(0)
-                .transition(Pending, Paid)
-                .execute(&mut conn)
+            transition(&mut conn, (1, 1), 0, Pending, Paid)
                 .await
                 .unwrap()
         }));
@@ -379,11 +367,7 @@ async fn a_row_elsewhere_stays_a_conflict() {
     new_order(&mut conn, 2).await;
 
     // Out of order: ship an order that is still pending (right version).
-    let err = Order::update(1)
-        .tenant(1)
-        .expect_version(0)
-        .transition(Paid, Shipped)
-        .execute(&mut conn)
+    let err = transition(&mut conn, (1, 1), 0, Paid, Shipped)
         .await
         .unwrap_err();
     match &err {
@@ -394,18 +378,10 @@ async fn a_row_elsewhere_stays_a_conflict() {
     }
 
     // Cancelled by someone else; paying it from the version read after that.
-    Order::update(2)
-        .tenant(1)
-        .expect_version(0)
-        .transition(Pending, Cancelled)
-        .execute(&mut conn)
+    transition(&mut conn, (1, 2), 0, Pending, Cancelled)
         .await
         .unwrap();
-    let err = Order::update(2)
-        .tenant(1)
-        .expect_version(1)
-        .transition(Pending, Paid)
-        .execute(&mut conn)
+    let err = transition(&mut conn, (1, 2), 1, Pending, Paid)
         .await
         .unwrap_err();
     assert!(
@@ -414,11 +390,7 @@ async fn a_row_elsewhere_stays_a_conflict() {
     );
 
     // In the target state, but not at expected + 1: not a duplicate.
-    Order::update(1)
-        .tenant(1)
-        .expect_version(0)
-        .transition(Pending, Paid)
-        .execute(&mut conn)
+    transition(&mut conn, (1, 1), 0, Pending, Paid)
         .await
         .unwrap();
     Order::update(1)
@@ -431,11 +403,7 @@ async fn a_row_elsewhere_stays_a_conflict() {
     // Paid at version 2: a `Pending -> Paid` from version 0 is stale, from
     // version 2 a state mismatch, neither a duplicate.
     for (expected, stale) in [(0, true), (2, false)] {
-        let err = Order::update(1)
-            .tenant(1)
-            .expect_version(expected)
-            .transition(Pending, Paid)
-            .execute(&mut conn)
+        let err = transition(&mut conn, (1, 1), expected, Pending, Paid)
             .await
             .unwrap_err();
         if stale {
@@ -450,11 +418,7 @@ async fn a_row_elsewhere_stays_a_conflict() {
 
     // No such order, or another tenant's: not found.
     for (tenant, id) in [(1, 99), (2, 1)] {
-        let err = Order::update(id)
-            .tenant(tenant)
-            .expect_version(0)
-            .transition(Pending, Paid)
-            .execute(&mut conn)
+        let err = transition(&mut conn, (tenant, id), 0, Pending, Paid)
             .await
             .unwrap_err();
         assert_not_found(&err);

@@ -19,6 +19,10 @@ pub struct Transition<M: Versioned, T, V, C> {
     update: Update<M, T, V, C>,
     from: M::State,
     to: M::State,
+    /// `StateMachine::allowed` of the state type, taken where that bound is
+    /// checked, so that a state type without one is one error, at
+    /// `.transition(..)`, and not a second at `.execute(..)`.
+    allowed: fn(&M::State, &M::State) -> bool,
 }
 
 impl<M: Versioned, T, V, C> Update<M, T, V, C> {
@@ -42,6 +46,7 @@ impl<M: Versioned, T, V, C> Update<M, T, V, C> {
             update: self,
             from,
             to,
+            allowed: <M::State as StateMachine>::allowed,
         }
     }
 }
@@ -77,10 +82,7 @@ impl<M: Versioned> VersionedChanges<M> for StateOnly {
     fn __changeset(&self) -> impl QueryFragment<Pg> + Send + Sync + '_ {}
 }
 
-impl<M: Versioned, T, V, C> Transition<M, T, V, C>
-where
-    M::State: StateMachine,
-{
+impl<M: Versioned, T, V, C> Transition<M, T, V, C> {
     /// Make the transition. `Ok(Applied(row))`: written, version + 1;
     /// `Ok(Duplicate(row))`: it had already been made; `Err`: refused
     /// ([`IllegalTransition`](VersionedError::IllegalTransition), nothing
@@ -93,8 +95,13 @@ where
         C: TransitionChanges<M> + Send + 'c,
     {
         Pending::new(async move {
-            let Transition { update, from, to } = self;
-            if !M::State::allowed(&from, &to) {
+            let Transition {
+                update,
+                from,
+                to,
+                allowed,
+            } = self;
+            if !allowed(&from, &to) {
                 return Err(VersionedError::IllegalTransition {
                     from: format!("{from:?}"),
                     to: format!("{to:?}"),
