@@ -39,7 +39,7 @@
 //! | `If-Match` malformed or ambiguous ([`EtagError`] 400) | 400 | [`problem_type::IF_MATCH_INVALID`] |
 //! | `If-Match` can never match ([`EtagError`] 412), [`VersionedError::Stale`] | 412 | [`problem_type::PRECONDITION_FAILED`] |
 //! | [`VersionedError::NotFound`] | 404 | [`problem_type::NOT_FOUND`] |
-//! | [`VersionedError::StateMismatch`] | 409 | [`problem_type::STATE_CONFLICT`] |
+//! | [`VersionedError::StateMismatch`], [`VersionedError::IllegalTransition`] | 409 | [`problem_type::STATE_CONFLICT`] |
 //! | anything else (database, serialization) | 500, details logged, not sent | [`problem_type::INTERNAL`] |
 //!
 //! # Keeping the first status

@@ -6,7 +6,7 @@
 // which only generated code drives, are reachable only through
 // `__private`.
 
-pub use idem_macros::{idempotent, retryable, Versioned, VersionedChanges};
+pub use idem_macros::{idempotent, retryable, States, Versioned, VersionedChanges};
 
 // `migrate` names both the function and its module (`idem::migrate::migrations()`).
 pub use idem_runtime::{final_errors, migrate, Error, FromIdemError, Unstorable};
@@ -51,12 +51,16 @@ pub mod idempotency {
 
 /// Versioned writes beyond the derive: the typestate builders that
 /// `Model::find`, `Model::update` and `Model::delete` hand out (and that
-/// compile errors name), and the database-side version guard.
+/// compile errors name), state machines (`#[derive(States)]` implements
+/// [`StateMachine`](versioned::StateMachine); a `.transition(..)` answers
+/// [`Transitioned`](versioned::Transitioned)), and the database-side version
+/// guard.
 pub mod versioned {
     pub use idem_runtime::versioned::{
         backstop, ChangesGiven, Delete, ExpectedVersion, Find, HasTenantColumn, NoChanges,
-        NoExpectedVersion, Pending, Tenant, TenantGiven, TenantMissing, Untenanted, Update,
-        VersionGiven, VersionValue, WithChanges,
+        NoExpectedVersion, Pending, StateMachine, Tenant, TenantGiven, TenantMissing, Transition,
+        TransitionChanges, Transitioned, Untenanted, Update, VersionGiven, VersionValue,
+        WithChanges,
     };
 }
 

@@ -11,3 +11,10 @@ fn versioned() {
     t.pass("tests/ui/versioned/pass/*.rs");
     t.compile_fail("tests/ui/versioned/fail/*.rs");
 }
+
+#[test]
+fn states() {
+    let t = trybuild::TestCases::new();
+    t.pass("tests/ui/states/pass/*.rs");
+    t.compile_fail("tests/ui/states/fail/*.rs");
+}

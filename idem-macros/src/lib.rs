@@ -8,6 +8,7 @@
 mod errors;
 mod idempotent;
 mod retryable;
+mod states;
 #[cfg(test)]
 mod test_support;
 mod versioned;
@@ -43,6 +44,26 @@ pub fn derive_versioned(input: TokenStream) -> TokenStream {
 #[proc_macro_derive(VersionedChanges, attributes(versioned, diesel))]
 pub fn derive_versioned_changes(input: TokenStream) -> TokenStream {
     versioned::derive_changes(input.into()).into()
+}
+
+/// Declares a state enum's allowed transitions once, on the enum.
+///
+/// ```text
+/// #[derive(Debug, Clone, Copy, PartialEq, Eq, States)]
+/// #[states(Pending => [Paid, Cancelled], Paid => [Shipped])]
+/// enum OrderStatus { Pending, Paid, Shipped, Cancelled }
+/// ```
+///
+/// Implements `idem::versioned::StateMachine` (the states, the transitions,
+/// `allowed(from, to)`, the stored text: the variant's name in snake case)
+/// and maps the enum to a diesel `Text` column, so that it can be a
+/// `#[derive(Versioned)]` model's `state = ..` field, where
+/// `Model::update(key)...transition(from, to)` refuses an edge the table does
+/// not list before any SQL. The enum must be fieldless and not generic, and
+/// derive `Clone`, `Debug` and `PartialEq`; `From => To` is a one-target rule.
+#[proc_macro_derive(States, attributes(states))]
+pub fn derive_states(input: TokenStream) -> TokenStream {
+    states::derive_states(input.into()).into()
 }
 
 /// Turns an `async fn` whose body is one attempt of a transaction into a retry

@@ -30,8 +30,8 @@ pub use versioned::{NoState, Versioned, VersionedChanges, VersionedError};
 #[doc(hidden)]
 pub mod __private {
     pub use crate::versioned::{
-        table_sql, Assignable, BypassesVersionCheck, CasUpdate, TenantMissing, Untenanted,
-        VersionValue,
+        state_from_sql, state_to_sql, table_sql, Assignable, BypassesVersionCheck, CasUpdate,
+        StateMachine, TenantMissing, Untenanted, VersionValue,
     };
 
     /// Asks the compiler whether `C` may be assigned by a changeset of `M`.

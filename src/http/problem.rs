@@ -430,6 +430,14 @@ impl From<&VersionedError> for Problem {
                     "the change requires state {expected}, but the resource is in state {actual}"
                 ),
             ),
+            VersionedError::IllegalTransition { from, to } => Problem::new(
+                status_of(e),
+                problem_type::STATE_CONFLICT,
+                "Illegal transition",
+                format!(
+                    "the resource cannot go from state {from} to state {to}; nothing was changed"
+                ),
+            ),
             other => Problem::internal(other),
         }
     }

@@ -38,13 +38,13 @@ impl HttpStatus for Error {
 }
 
 impl HttpStatus for VersionedError {
-    /// 412 for a stale precondition, 404, 409 for a refused transition, 500
-    /// otherwise.
+    /// 412 for a stale precondition, 404, 409 for a refused or illegal
+    /// transition, 500 otherwise.
     fn http_status(&self) -> u16 {
         match self {
             VersionedError::Stale { .. } => 412,
             VersionedError::NotFound => 404,
-            VersionedError::StateMismatch { .. } => 409,
+            VersionedError::StateMismatch { .. } | VersionedError::IllegalTransition { .. } => 409,
             _ => 500,
         }
     }

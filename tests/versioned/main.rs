@@ -16,6 +16,7 @@ use tokio::sync::Barrier;
 
 mod prepared;
 mod shapes;
+mod transitions;
 mod writes;
 
 diesel::table! {

@@ -145,6 +145,41 @@ pub(crate) fn model(model: &Model) -> TokenStream {
         },
     };
 
+    // A transition: the state assigned after the changeset's columns, and
+    // required to be `from` besides the version.
+    let (transition_update, state_of_row) = match state {
+        Some(f) => {
+            let col = column(table, f);
+            let name = &f.ident;
+            (
+                quote! {
+                    async move {
+                        #bind_row
+                        let ::core::option::Option::Some(__idem_expected) = #vv::from_i64(__idem_expected) else {
+                            return ::core::result::Result::Ok(::core::option::Option::None);
+                        };
+                        let __idem_query = ::idem::__private::CasUpdate::new(
+                            #table::table,
+                            (changes.__changeset(), ::idem::__private::diesel::query_builder::AsChangeset::as_changeset(#col.eq(__idem_to))),
+                            <Self as ::idem::Versioned>::VERSION_COLUMN,
+                            #cas_filter.and(#col.eq(__idem_from)),
+                            Self::as_select(),
+                        );
+                        #rqd::get_result(__idem_query, conn).await.optional()
+                    }
+                },
+                quote!(::core::option::Option::Some(::core::clone::Clone::clone(&self.#name))),
+            )
+        }
+        None => (
+            quote! {
+                let _ = (conn, __idem_tenant, __idem_key, __idem_expected, __idem_to, changes);
+                async move { match __idem_from {} }
+            },
+            quote!(::core::option::Option::None),
+        ),
+    };
+
     let insert_values = model.fields.iter().map(|f| {
         let col = column(table, f);
         if std::ptr::eq(f, version) {
@@ -258,6 +293,23 @@ pub(crate) fn model(model: &Model) -> TokenStream {
                             #state_filter_update
                         }
                     }
+                }
+
+                fn __transition<'c, C: ::idem::VersionedChanges<Self> + ::core::marker::Sync>(
+                    conn: &'c mut #conn_ty,
+                    __idem_tenant: Self::Tenant,
+                    __idem_key: Self::Key,
+                    __idem_expected: i64,
+                    __idem_from: Self::State,
+                    __idem_to: Self::State,
+                    changes: &'c C,
+                ) -> impl ::core::future::Future<Output = ::core::result::Result<::core::option::Option<Self>, #derr>> + ::core::marker::Send + 'c
+                {
+                    #transition_update
+                }
+
+                fn __state(&self) -> ::core::option::Option<Self::State> {
+                    #state_of_row
                 }
 
                 fn __delete<'c>(conn: &'c mut #conn_ty, __idem_tenant: Self::Tenant, __idem_key: Self::Key, __idem_expected: i64)

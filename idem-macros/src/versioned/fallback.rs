@@ -133,6 +133,15 @@ pub(crate) fn model(input: &ModelInput, roles: &Roles, err: syn::Error) -> Token
                 ) -> #rows {
                     async move { ::core::unreachable!() }
                 }
+                fn __transition<'c, C: ::idem::VersionedChanges<Self> + ::core::marker::Sync>(
+                    _: #conn, _: Self::Tenant, _: Self::Key, _: i64,
+                    _: Self::State, _: Self::State, _: &'c C,
+                ) -> #rows {
+                    async move { ::core::unreachable!() }
+                }
+                fn __state(&self) -> ::core::option::Option<Self::State> {
+                    ::core::unreachable!()
+                }
                 fn __delete<'c>(_: #conn, _: Self::Tenant, _: Self::Key, _: i64) -> #count {
                     async move { ::core::unreachable!() }
                 }

@@ -179,7 +179,9 @@ impl Transient for VersionedError {
         match self {
             VersionedError::Stale { .. } => Some(RetryCause::Stale),
             VersionedError::Database(e) => e.transient(),
-            VersionedError::NotFound | VersionedError::StateMismatch { .. } => None,
+            VersionedError::NotFound
+            | VersionedError::StateMismatch { .. }
+            | VersionedError::IllegalTransition { .. } => None,
         }
     }
 }

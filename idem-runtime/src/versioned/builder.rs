@@ -11,7 +11,7 @@ use std::task::{Context, Poll};
 
 use diesel_async::AsyncPgConnection;
 
-use super::{Versioned, VersionedChanges, VersionedError};
+use super::{Probe, Versioned, VersionedChanges, VersionedError};
 use crate::attempt;
 
 /// A builder state: the tenant has not been named yet.
@@ -37,6 +37,12 @@ pub struct NoChanges;
 /// A builder state: the changes to apply.
 #[derive(Debug, Clone, Copy)]
 pub struct WithChanges<'a, C>(&'a C);
+
+impl<'a, C> WithChanges<'a, C> {
+    pub(super) fn get(&self) -> &'a C {
+        self.0
+    }
+}
 
 /// Satisfied once the builder knows which tenant it acts for.
 #[diagnostic::on_unimplemented(
@@ -144,7 +150,7 @@ impl<M: Versioned> Find<M, TenantMissing> {
 pub struct Pending<'c, T>(Pin<Box<dyn Future<Output = Result<T, VersionedError>> + Send + 'c>>);
 
 impl<'c, T> Pending<'c, T> {
-    fn new(fut: impl Future<Output = Result<T, VersionedError>> + Send + 'c) -> Self {
+    pub(super) fn new(fut: impl Future<Output = Result<T, VersionedError>> + Send + 'c) -> Self {
         Pending(Box::pin(fut))
     }
 }
@@ -359,10 +365,20 @@ async fn classify<M: Versioned>(
     from_state: Option<M::State>,
 ) -> VersionedError {
     let row = attempt::RowId::of::<M, _>(&key);
-    let current = match M::__probe(conn, tenant, key).await {
-        Ok(current) => current,
-        Err(e) => return VersionedError::Database(e),
-    };
+    match M::__probe(conn, tenant, key).await {
+        Ok(current) => judge::<M>(row, current, expected, from_state),
+        Err(e) => VersionedError::Database(e),
+    }
+}
+
+/// Why a guarded write matched no row, given the row's version and state as
+/// the one probe read them (`None`: no such row in this tenant).
+pub(super) fn judge<M: Versioned>(
+    row: attempt::RowId,
+    current: Option<Probe<M::State>>,
+    expected: i64,
+    from_state: Option<M::State>,
+) -> VersionedError {
     let err = match current {
         None => VersionedError::NotFound,
         Some((actual, _)) if actual != expected => VersionedError::Stale { expected, actual },

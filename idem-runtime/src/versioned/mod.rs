@@ -9,9 +9,13 @@
 pub mod backstop;
 mod builder;
 mod cas;
+mod states;
+mod transition;
 
 pub use builder::*;
 pub use cas::CasUpdate;
+pub use states::{state_from_sql, state_to_sql, StateMachine, Transitioned};
+pub use transition::{Transition, TransitionChanges};
 
 use std::fmt::Debug;
 use std::future::Future;
@@ -53,6 +57,15 @@ pub enum VersionedError {
         expected: String,
         /// The state the row is in (`Debug` form).
         actual: String,
+    },
+    /// A `.transition(from, to)` the state machine does not allow: `to`
+    /// cannot directly follow `from`. Refused before any SQL was sent.
+    #[error("illegal state transition: {to} cannot follow {from}")]
+    IllegalTransition {
+        /// The state the transition starts from (`Debug` form).
+        from: String,
+        /// The state it asked for (`Debug` form).
+        to: String,
     },
     /// The database refused the statement, or the connection failed.
     #[error("database error: {0}")]
@@ -139,7 +152,9 @@ pub trait Versioned: Sized + Send + Sync + 'static {
     }
 
     /// A compare-and-set update; call `.tenant(..)`, `.expect_version(..)`,
-    /// `.set(&changes)`, then `.execute(conn)`.
+    /// `.set(&changes)`, then `.execute(conn)`. A model whose state is a
+    /// [`StateMachine`] can end with `.transition(from, to)` instead of (or
+    /// after) `.set(..)`, then `.execute(conn)`.
     fn update(key: Self::Key) -> Update<Self, Self::TenantStart, NoExpectedVersion, NoChanges> {
         Update {
             key,
@@ -203,6 +218,24 @@ pub trait Versioned: Sized + Send + Sync + 'static {
         from_state: Option<Self::State>,
         changes: &'c C,
     ) -> impl Future<Output = Result<Option<Self>, DieselError>> + Send + 'c;
+
+    /// The guarded update of a [`Transition`]: `changes`, the state set to
+    /// `to`, the version bumped, where the row is at `expected` and in `from`.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    fn __transition<'c, C: VersionedChanges<Self> + Sync>(
+        conn: &'c mut AsyncPgConnection,
+        tenant: Self::Tenant,
+        key: Self::Key,
+        expected: i64,
+        from: Self::State,
+        to: Self::State,
+        changes: &'c C,
+    ) -> impl Future<Output = Result<Option<Self>, DieselError>> + Send + 'c;
+
+    /// This row's state, or `None` for a model without one.
+    #[doc(hidden)]
+    fn __state(&self) -> Option<Self::State>;
 
     #[doc(hidden)]
     fn __delete<'c>(
