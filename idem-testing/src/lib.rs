@@ -48,6 +48,7 @@ pub mod nats;
 pub mod pgbouncer;
 mod privilege;
 pub mod proxy;
+pub mod redis;
 mod scratch;
 mod url;
 mod via;
