@@ -96,47 +96,12 @@ fn url_of(server: &str, database: &str) -> String {
     }
 }
 
-/// `xact_commit + xact_rollback` of `database` once none of its backends
-/// is left and the counters stopped moving (read from the admin database).
+/// `xact_commit + xact_rollback` of `database`, settled (read from the
+/// admin database once its backends exited).
 async fn settled_xacts(admin: &tokio_postgres::Client, database: &str) -> i64 {
-    loop {
-        let row = admin
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1",
-                &[&database],
-            )
-            .await
-            .expect("pg_stat_activity");
-        if row.get::<_, i64>(0) == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let read = || async {
-        admin
-            .batch_execute("SELECT pg_stat_clear_snapshot()")
-            .await
-            .expect("clear snapshot");
-        admin
-            .query_one(
-                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = $1",
-                &[&database],
-            )
-            .await
-            .expect("pg_stat_database")
-            .get::<_, i64>(0)
-    };
-    let (mut last, mut stable) = (read().await, 0);
-    while stable < 5 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let now = read().await;
-        if now == last {
-            stable += 1;
-        } else {
-            (last, stable) = (now, 0);
-        }
-    }
-    last
+    idem_testing::stats::settled_transactions(admin, database)
+        .await
+        .expect("the database's counters")
 }
 
 /// Reads of `idem_requests` in `url`'s database, by index or by scan.

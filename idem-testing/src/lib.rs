@@ -50,6 +50,7 @@ mod privilege;
 pub mod proxy;
 pub mod redis;
 mod scratch;
+pub mod stats;
 mod url;
 mod via;
 

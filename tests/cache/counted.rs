@@ -1,54 +1,12 @@
 //! A retry storm counted by the database: transactions in
-//! `pg_stat_database`, read from another database once the test database's
-//! backends exited (they flush their counters at the latest then).
+//! `pg_stat_database` ([`idem_testing::stats::settled_transactions`]).
 
 use super::*;
 
-/// `xact_commit + xact_rollback` of database `name` once it has no backend
-/// and the counters stopped moving.
 async fn settled_transactions(admin: &tokio_postgres::Client, name: &str) -> i64 {
-    let until = Instant::now() + Duration::from_secs(30);
-    loop {
-        let connected: i64 = admin
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1",
-                &[&name],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if connected == 0 {
-            break;
-        }
-        assert!(Instant::now() < until, "backends of {name} did not exit");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let read = || async {
-        admin
-            .batch_execute("SELECT pg_stat_clear_snapshot()")
-            .await
-            .unwrap();
-        admin
-            .query_one(
-                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = $1",
-                &[&name],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-    };
-    let mut last = read().await;
-    let mut stable = 0;
-    while stable < 5 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let now = read().await;
-        if now == last {
-            stable += 1;
-        } else {
-            (last, stable) = (now, 0);
-        }
-    }
-    last
+    idem_testing::stats::settled_transactions(admin, name)
+        .await
+        .expect("the database's counters")
 }
 
 /// Transactions that `duplicates` replays of `key` cost the database, on

@@ -132,10 +132,18 @@ struct Counters {
     writes: AtomicU64,
 }
 
-/// A Redis front cache of completed idempotency records; see the [module
-/// docs](self). Cheap to clone (one shared multiplexed connection, which
-/// reconnects by itself); build one per process and hand it to
-/// `#[idempotent(.., cache = ..)]`.
+/// A Redis front cache of completed idempotency records. Cheap to clone
+/// (one shared multiplexed connection, which reconnects by itself); build
+/// one per process and hand it to `#[idempotent(.., cache = ..)]`.
+///
+/// The database stays the arbiter: only completed records are copied (after
+/// their commit, and after a replay read one), in the form `jsonb` stored
+/// them, so a replay from Redis is the database's replay byte for byte. A
+/// miss, an entry made for another operation or fingerprint, an unreadable
+/// entry, or Redis failing or slower than [`CacheConfig::timeout`] sends the
+/// request to the database (and, after a failure, Redis is left alone for
+/// [`CacheConfig::backoff`]). The cache never says a key is new, and an
+/// entry lives at most `min(max_ttl, half the record's remaining retention)`.
 ///
 /// ```no_run
 /// # fn demo() -> Result<(), idem_runtime::idempotency::CacheError> {
