@@ -47,6 +47,10 @@ pub mod idempotency {
         current_key, derived_key, fingerprint, purge_expired, scope_hash, settle, validate_key,
         Field, PurgeReport, Settlement, MAX_STORED_DEPTH, OUTCOME_UNKNOWN_MESSAGE,
     };
+    /// The Redis front cache of replays (feature `redis`): see the README's
+    /// "Redis front cache" and `#[idempotent(.., cache = ..)]`.
+    #[cfg(feature = "redis")]
+    pub use idem_runtime::idempotency::{CacheConfig, CacheError, CacheStats, ReplayCache};
 }
 
 /// Versioned writes beyond the derive: the typestate builders that

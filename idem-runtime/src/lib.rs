@@ -39,6 +39,8 @@ pub mod __private {
 
     /// Asks the compiler whether `V` can hold a version.
     pub fn assert_version_type<V: VersionValue>() {}
+    #[cfg(feature = "redis")]
+    pub use crate::idempotency::CacheInput;
     pub use crate::idempotency::{lock_key, under_key, Call, Field, KeyInput, Request};
     pub use crate::retry::{commit, RetryLoop, Step};
 

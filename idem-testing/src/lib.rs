@@ -48,7 +48,9 @@ pub mod nats;
 pub mod pgbouncer;
 mod privilege;
 pub mod proxy;
+pub mod redis;
 mod scratch;
+pub mod stats;
 mod url;
 mod via;
 

@@ -4,6 +4,7 @@
 
 use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
+use syn::spanned::Spanned;
 
 use super::parse::{Idempotent, ModeArg, ScopeArg};
 use crate::retryable::expand::{
@@ -61,7 +62,12 @@ pub(crate) fn mark_attribute_uses(shape: &mut Retryable, parsed: &Idempotent) {
         Some(ScopeArg::Values(expr)) => Some(expr),
         _ => None,
     };
-    let exprs = [parsed.key.as_ref(), scope, parsed.config.as_ref()];
+    let exprs = [
+        parsed.key.as_ref(),
+        scope,
+        parsed.config.as_ref(),
+        parsed.cache.as_ref(),
+    ];
     for expr in exprs.into_iter().flatten() {
         names_in(expr.to_token_stream(), &mut names);
     }
@@ -184,8 +190,21 @@ pub(crate) fn idempotent(
     // Both modes: the same begin / scope / finish as #[retryable], with the
     // call's enter and leave steps around the body and its end after the loop.
     let call = format_ident!("__idem_call", span = mixed);
+    // `cache = ..`: a replay from Redis answers before any connection is
+    // checked out; the cache is filled in `end`.
+    let cached = parsed.cache.as_ref().map(|expr| {
+        let input =
+            quote_spanned!(expr.span()=> ::idem::__private::CacheInput::replay_cache(&(#expr)));
+        quote! {
+            #call.set_cache(#input);
+            if let ::core::option::Option::Some(#outcome) = #call.cached::<#ok_ty>().await {
+                return #outcome;
+            }
+        }
+    });
     let flow = quote! {
         let mut #call = ::idem::__private::Call::<#err_ty>::new(#request);
+        #cached
         let mut #retry_loop = ::idem::__private::RetryLoop::new(#pool, #policy, #name);
         let #outcome = loop {
             let mut #attempt = match #retry_loop.begin_with(#call.begin()).await {

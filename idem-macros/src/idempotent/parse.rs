@@ -19,8 +19,12 @@ const NAMES: &[&str] = &[
     "wait_ms",
     "max_response_bytes",
     "config",
+    "cache",
 ];
-const KEYS: &str = "`key`, `scope`, `fingerprint(..)`, `operation`, `mode`, `ttl_s`, `lease_ms`, `wait_ms`, `max_response_bytes` and `config`";
+const KEYS: &str = "`key`, `scope`, `fingerprint(..)`, `operation`, `mode`, `ttl_s`, `lease_ms`, `wait_ms`, `max_response_bytes`, `config` and `cache`";
+
+/// How `cache` is written, for messages.
+const CACHE_FORM: &str = "`cache = <expr>`, where the expression gives an `idem::idempotency::ReplayCache` (a reference, an `Arc` or an `Option` of one; feature `redis`), e.g. `cache = &state.replay_cache`";
 
 /// A named field of the fingerprint.
 pub(crate) struct FingerprintField {
@@ -57,6 +61,8 @@ pub(crate) struct Idempotent {
     pub(crate) wait_ms: Option<u64>,
     pub(crate) max_response_bytes: Option<u64>,
     pub(crate) config: Option<Expr>,
+    /// `cache = ..`: the replay cache read before, and filled after, the database.
+    pub(crate) cache: Option<Expr>,
     /// Every non-connection parameter, for the default fingerprint.
     pub(crate) params: Vec<Ident>,
 }
@@ -163,6 +169,7 @@ impl Idempotent {
             wait_ms: None,
             max_response_bytes: None,
             config: None,
+            cache: None,
             params: data_params.clone(),
         };
         let mut seen: Vec<Ident> = Vec::new();
@@ -231,6 +238,30 @@ impl Idempotent {
                     });
                 }
                 "config" => out.config = Some(meta.value()?.parse()?),
+                "cache" => {
+                    if !meta.input.peek(Token![=]) {
+                        return Err(syn::Error::new_spanned(
+                            &key,
+                            format!("`cache` needs a value: {CACHE_FORM}"),
+                        ));
+                    }
+                    let value: Expr = meta.value()?.parse()?;
+                    match &value {
+                        Expr::Lit(syn::ExprLit {
+                            lit: Lit::Str(_), ..
+                        }) => errors.push_at(
+                            &value,
+                            format!(
+                                "`cache` takes a replay cache, not its address: build one `idem::idempotency::ReplayCache::new(url)` per process, and give {CACHE_FORM}"
+                            ),
+                        ),
+                        Expr::Lit(_) => errors.push_at(
+                            &value,
+                            format!("`cache` takes a replay cache: {CACHE_FORM}"),
+                        ),
+                        _ => out.cache = Some(value),
+                    }
+                }
                 "operation" => out.operation = Some(meta.value()?.parse()?),
                 "mode" => {
                     let value: Ident = meta.value()?.parse()?;

@@ -58,6 +58,49 @@ fn external_mode_with_derived_key_and_scope_tuple() {
 }
 
 #[test]
+fn local_mode_with_a_replay_cache() {
+    let out = idempotent(
+        quote!(
+            key = cmd.idempotency_key,
+            scope = ctx.tenant_id,
+            fingerprint(cmd.amount),
+            cache = &ctx.replay_cache
+        ),
+        quote! {
+            async fn pay(conn: &mut AsyncPgConnection, ctx: &Ctx, cmd: &PaymentCmd) -> Result<i64, AppError> {
+                Ok(cmd.amount)
+            }
+        },
+    );
+    insta::assert_snapshot!(pretty(out));
+}
+
+#[test]
+fn a_cache_must_be_an_expression_of_a_cache() {
+    let func = quote! {
+        async fn pay(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<i64, AppError> {
+            Ok(cmd.amount)
+        }
+    };
+    let (errors, fns) = errors_and_fns(idempotent(
+        quote!(scope = none, cache = "redis://127.0.0.1:6379"),
+        func.clone(),
+    ));
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].starts_with("`cache` takes a replay cache, not its address"),
+        "{errors:?}"
+    );
+    assert_eq!(fns.len(), 1, "the fn is kept");
+    let (errors, _) = errors_and_fns(idempotent(quote!(scope = none, cache), func));
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].starts_with("`cache` needs a value: `cache = <expr>`"),
+        "{errors:?}"
+    );
+}
+
+#[test]
 fn a_broken_attribute_reports_every_mistake_and_keeps_the_fn() {
     let out = idempotent(
         quote!(
@@ -83,7 +126,7 @@ fn a_broken_attribute_reports_every_mistake_and_keeps_the_fn() {
             "`conn` is the connection; fingerprint(..) names the request's parameters or their fields",
             "`amount` is not a parameter of `pay`; fingerprint(..) names parameters or their fields (`cmd`)",
             "`mode` is `local` (every effect is in this database; the default) or `external` (the body calls another system)",
-            "unknown key `ttl` in #[idempotent(..)] (did you mean `ttl_s`?); the valid keys are `key`, `scope`, `fingerprint(..)`, `operation`, `mode`, `ttl_s`, `lease_ms`, `wait_ms`, `max_response_bytes` and `config`",
+            "unknown key `ttl` in #[idempotent(..)] (did you mean `ttl_s`?); the valid keys are `key`, `scope`, `fingerprint(..)`, `operation`, `mode`, `ttl_s`, `lease_ms`, `wait_ms`, `max_response_bytes`, `config` and `cache`",
             "`lease_ms = 0`: a lease of 0 ms runs out at once, so every external request would be reported as outcome unknown; give a number above 0, e.g. `lease_ms = 30000`",
         ]
     );

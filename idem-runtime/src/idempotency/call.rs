@@ -49,6 +49,21 @@ pub struct Call<E> {
     pending_final: Option<(E, serde_json::Value)>,
     /// Until when a duplicate waits for an in-progress first request.
     wait_until: Instant,
+    /// The replay cache this call reads first and fills after.
+    #[cfg(feature = "redis")]
+    cache: Option<super::ReplayCache>,
+    /// The completed record this attempt read or wrote, as stored, for the
+    /// cache (kept only when there is one).
+    completed: Option<Completed>,
+}
+
+/// A completed record as the database stores it, to copy to the cache.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+struct Completed {
+    error: bool,
+    response: serde_json::Value,
+    /// What is left of its retention.
+    remaining: Duration,
 }
 
 /// What an attempt of an idempotent call answers, before it becomes the
@@ -81,7 +96,83 @@ impl<E> Call<E> {
             body_ran: false,
             pending_final: None,
             wait_until,
+            #[cfg(feature = "redis")]
+            cache: None,
+            completed: None,
         }
+    }
+
+    /// Read replays from `cache` first, and copy completed records to it.
+    #[cfg(feature = "redis")]
+    pub fn set_cache(&mut self, cache: Option<&super::ReplayCache>) {
+        self.cache = cache.cloned();
+    }
+
+    /// Whether a cache will keep this call's completed record.
+    fn caching(&self) -> bool {
+        #[cfg(feature = "redis")]
+        return self.cache.is_some();
+        #[cfg(not(feature = "redis"))]
+        return false;
+    }
+
+    /// The answer from the replay cache, before any database work: only an
+    /// entry for this very request (operation and fingerprint), readable as
+    /// `V` or as a final error. Anything else is `None`, and the database
+    /// answers.
+    #[cfg(feature = "redis")]
+    pub async fn cached<V: DeserializeOwned>(&self) -> Option<Result<Idempotent<V>, E>>
+    where
+        E: IdempotentError,
+    {
+        let cache = self.cache.as_ref()?;
+        let entry = cache
+            .lookup(self.request.scope(), self.request.key())
+            .await?;
+        if entry.operation != self.request.operation()
+            || entry.fingerprint != *self.request.fingerprint()
+        {
+            cache.mismatch();
+            return None;
+        }
+        let outcome = if entry.error { store::ERROR } else { store::OK };
+        // The same reading as a replay from the database, of the same JSON.
+        let read = serde_json::from_slice(&entry.response)
+            .ok()
+            .and_then(|response| replay::<V, E>(Some(outcome), Some(response)).ok());
+        let Some(read) = read else {
+            cache.unreadable();
+            return None;
+        };
+        cache.hit();
+        Some(match read {
+            Ok(value) => Ok(Idempotent {
+                value,
+                replayed: true,
+            }),
+            Err(stored) => Err(E::from_final(stored)),
+        })
+    }
+
+    /// Copy the record this call ended with to the cache.
+    #[cfg(feature = "redis")]
+    async fn fill_cache(&mut self) {
+        let (Some(cache), Some(done)) = (&self.cache, self.completed.take()) else {
+            return;
+        };
+        // The JSON of the stored value: read back, it is that value again,
+        // as a database replay reads it.
+        let Ok(response) = serde_json::to_vec(&done.response) else {
+            return;
+        };
+        let entry = super::cache::Entry {
+            error: done.error,
+            operation: self.request.operation().to_owned(),
+            fingerprint: *self.request.fingerprint(),
+            response,
+        };
+        let (scope, key) = (self.request.scope(), self.request.key());
+        cache.store(scope, key, &entry, done.remaining).await;
     }
 
     /// The request.
@@ -110,6 +201,8 @@ impl<E> Call<E> {
     {
         // The outbox derives deterministic event ids from the call.
         crate::attempt::note_call(self.request.scope(), self.request.key());
+        // What an earlier attempt wrote did not commit.
+        self.completed = None;
         let external = self.request.external();
         if self.claimed && self.pending_final.is_none() {
             // External phase 2: the body runs with nothing open.
@@ -126,11 +219,13 @@ impl<E> Call<E> {
             }
             return match &self.pending_final {
                 // The final error, stored without the body's writes.
-                Some((_, stored)) => Some(
-                    self.complete(conn, store::ERROR, stored)
-                        .await
-                        .map(|step| answer(step, Reply::FinalStored)),
-                ),
+                Some((_, stored)) => {
+                    let written = self.complete(conn, store::ERROR, stored).await;
+                    Some(written.map(|(step, kept)| {
+                        self.completed = kept;
+                        answer(step, Reply::FinalStored)
+                    }))
+                }
                 None => {
                     self.body_ran = true;
                     None
@@ -139,11 +234,11 @@ impl<E> Call<E> {
         }
         if let Some((_, stored)) = &self.pending_final {
             // External: the claim is this call's.
-            return Some(
-                self.record(conn, store::ERROR, stored)
-                    .await
-                    .map(|()| Step::Commit(Reply::FinalStored)),
-            );
+            let written = self.record(conn, store::ERROR, stored).await;
+            return Some(written.map(|kept| {
+                self.completed = kept;
+                Step::Commit(Reply::FinalStored)
+            }));
         }
         match self.request.claim(conn).await {
             Ok(Claimed::Owned) => {
@@ -161,13 +256,22 @@ impl<E> Call<E> {
     }
 
     /// What a record found by the claim answers.
-    fn found<V: DeserializeOwned>(&self, found: Found) -> Result<StepOf<V, E>, E>
+    fn found<V: DeserializeOwned>(&mut self, found: Found) -> Result<StepOf<V, E>, E>
     where
         E: IdempotentError,
     {
         match found {
-            Found::Replay(outcome, response) => replay::<V, E>(outcome.as_deref(), response)
-                .map(|r| Step::Answer(Reply::Replayed(r))),
+            Found::Replay(outcome, response, remaining_ms) => {
+                if let (true, Some(stored)) = (self.caching(), &response) {
+                    self.completed = Some(Completed {
+                        error: outcome.as_deref() == Some(store::ERROR),
+                        response: stored.clone(),
+                        remaining: Duration::from_millis(remaining_ms.max(0) as u64),
+                    });
+                }
+                replay::<V, E>(outcome.as_deref(), response)
+                    .map(|r| Step::Answer(Reply::Replayed(r)))
+            }
             Found::Refused(Error::InProgress) if Instant::now() < self.wait_until => {
                 Ok(Step::Again(WAIT_POLL.min(self.wait_until - Instant::now())))
             }
@@ -196,10 +300,11 @@ impl<E> Call<E> {
                 // the body wrote nothing of its own.
                 let conn = attempt.open().await.map_err(E::from)?;
                 if self.request.external() {
-                    self.record(conn, store::OK, &response).await?;
+                    self.completed = self.record(conn, store::OK, &response).await?;
                     return Ok(Step::Commit(Reply::Fresh(value)));
                 }
-                let step = self.complete(conn, store::OK, &response).await?;
+                let (step, kept) = self.complete(conn, store::OK, &response).await?;
+                self.completed = kept;
                 Ok(answer(step, Reply::Fresh(value)))
             }
             Err(err) => match err.to_final() {
@@ -230,15 +335,30 @@ impl<E> Call<E> {
         conn: &mut AsyncPgConnection,
         outcome: &str,
         response: &serde_json::Value,
-    ) -> Result<Step<()>, E>
+    ) -> Result<(Step<()>, Option<Completed>), E>
     where
         E: IdempotentError,
     {
-        match self.request.complete(conn, outcome, response).await {
-            Ok(true) => Ok(Step::Commit(())),
-            Ok(false) => Ok(Step::Again(Duration::ZERO)),
+        let caching = self.caching();
+        match self
+            .request
+            .complete(conn, outcome, response, caching)
+            .await
+        {
+            Ok(Some(stored)) => Ok((Step::Commit(()), self.kept(outcome, stored))),
+            Ok(None) => Ok((Step::Again(Duration::ZERO), None)),
             Err(e) => Err(db(e)),
         }
+    }
+
+    /// The response a write returned as stored, for the cache, with the
+    /// whole retention ahead of it.
+    fn kept(&self, outcome: &str, stored: Option<serde_json::Value>) -> Option<Completed> {
+        stored.map(|response| Completed {
+            error: outcome == store::ERROR,
+            response,
+            remaining: self.request.config.ttl,
+        })
     }
 
     /// Complete this call's claim with `response`, bound as a parameter.
@@ -247,22 +367,27 @@ impl<E> Call<E> {
         conn: &mut AsyncPgConnection,
         outcome: &str,
         response: &serde_json::Value,
-    ) -> Result<(), E>
+    ) -> Result<Option<Completed>, E>
     where
         E: IdempotentError,
     {
-        let written = Record {
+        let statement = Record {
             scope: self.request.scope(),
             key: self.request.key(),
             outcome,
             response,
             owner: self.request.owner(),
-        }
-        .execute(conn)
-        .await
-        .map_err(db::<E>)?;
+            returning: self.caching(),
+        };
+        let (written, kept) = if statement.returning {
+            let mut stored: Vec<serde_json::Value> =
+                statement.get_results(conn).await.map_err(db::<E>)?;
+            (stored.len(), self.kept(outcome, stored.pop()))
+        } else {
+            (statement.execute(conn).await.map_err(db::<E>)?, None)
+        };
         match written {
-            1 => Ok(()),
+            1 => Ok(kept),
             // The claim was settled by hand, or its lease ran out and another
             // request took the key: an effect whose record cannot be kept
             // must not commit.
@@ -274,7 +399,7 @@ impl<E> Call<E> {
     /// failure, the claim released or kept as outcome unknown. `timeout`
     /// bounds that last statement, row-lock waits included.
     pub async fn end<V>(
-        self,
+        #[cfg_attr(not(feature = "redis"), allow(unused_mut))] mut self,
         pool: &Pool,
         timeout: Duration,
         outcome: Result<Reply<V, E::Final>, E>,
@@ -282,6 +407,10 @@ impl<E> Call<E> {
     where
         E: IdempotentError,
     {
+        #[cfg(feature = "redis")]
+        if outcome.is_ok() {
+            self.fill_cache().await;
+        }
         let err = match outcome {
             Ok(Reply::Fresh(value)) => {
                 return Ok(Idempotent {

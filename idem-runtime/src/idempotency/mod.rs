@@ -37,6 +37,8 @@
 //! [`Error::OutcomeUnknown`]. Scopes are separate key spaces.
 
 mod admin;
+#[cfg(feature = "redis")]
+mod cache;
 mod call;
 pub mod fingerprint;
 mod request;
@@ -49,6 +51,8 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 pub use admin::{purge_expired, settle, PurgeReport, Settlement};
+#[cfg(feature = "redis")]
+pub use cache::{CacheConfig, CacheError, CacheInput, CacheStats, ReplayCache};
 pub use call::{Call, Reply};
 pub use fingerprint::Field;
 pub use request::{lock_key, Request};

@@ -40,6 +40,8 @@ pub(crate) struct Stored {
     lease_expired: Option<bool>,
     expired: bool,
     owner: Option<Vec<u8>>,
+    /// What is left of its retention, in ms (the database's clock).
+    remaining_ms: i64,
 }
 
 /// What a record means for a request.
@@ -48,8 +50,9 @@ pub(crate) enum Found {
     New,
     /// This request's own claim (external mode, its answer was lost).
     Mine,
-    /// A completed record: its outcome (`ok` / `error`) and response.
-    Replay(Option<String>, Option<serde_json::Value>),
+    /// A completed record: its outcome (`ok` / `error`), response, and
+    /// what is left of its retention in ms.
+    Replay(Option<String>, Option<serde_json::Value>, i64),
     /// The answer is a refusal.
     Refused(Error),
 }
@@ -189,22 +192,39 @@ impl Request {
     }
 
     /// Local mode: write the completed record (the request's one write).
-    /// False: a record appeared that this request must read first.
+    /// `None`: a record appeared that this request must read first. With
+    /// `returning`, the response comes back as stored (for a replay cache).
     pub(crate) async fn complete(
         &self,
         conn: &mut AsyncPgConnection,
         outcome: &str,
         response: &serde_json::Value,
-    ) -> QueryResult<bool> {
-        let written = Complete {
+        returning: bool,
+    ) -> QueryResult<Option<Option<serde_json::Value>>> {
+        let statement = Complete {
             identity: self.identity(),
             outcome,
             response,
             ttl_micros: micros(self.config.ttl),
+            returning,
+        };
+        if returning {
+            let stored: Option<serde_json::Value> = statement.get_result(conn).await.optional()?;
+            return Ok(stored.map(Some));
         }
-        .execute(conn)
-        .await?;
-        Ok(written == 1)
+        Ok((statement.execute(conn).await? == 1).then_some(None))
+    }
+
+    /// The operation the record is made for.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn operation(&self) -> &str {
+        &self.operation
+    }
+
+    /// The request's fingerprint.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn fingerprint(&self) -> &[u8; 32] {
+        &self.fingerprint
     }
 
     /// The advisory lock of this scope and key: the first 8 bytes of their
@@ -225,7 +245,7 @@ impl Request {
         }
         let mine = self.owner().is_some() && stored.owner.as_deref() == self.owner();
         match stored.state.as_str() {
-            store::COMPLETED => Found::Replay(stored.outcome, stored.response),
+            store::COMPLETED => Found::Replay(stored.outcome, stored.response, stored.remaining_ms),
             store::IN_PROGRESS if mine => Found::Mine,
             store::IN_PROGRESS if stored.lease_expired != Some(true) => {
                 Found::Refused(Error::InProgress)
@@ -306,12 +326,25 @@ struct ClaimedOrSeen {
     lease_expired: Option<bool>,
     expired: Option<bool>,
     owner: Option<Vec<u8>>,
+    remaining_ms: Option<i64>,
 }
 
 impl ClaimedOrSeen {
     fn split(self) -> (Option<bool>, Option<Stored>) {
-        let seen = match (self.operation, self.fingerprint, self.state, self.expired) {
-            (Some(operation), Some(fingerprint), Some(state), Some(expired)) => Some(Stored {
+        let seen = match (
+            self.operation,
+            self.fingerprint,
+            self.state,
+            self.expired,
+            self.remaining_ms,
+        ) {
+            (
+                Some(operation),
+                Some(fingerprint),
+                Some(state),
+                Some(expired),
+                Some(remaining_ms),
+            ) => Some(Stored {
                 operation,
                 fingerprint,
                 state,
@@ -320,6 +353,7 @@ impl ClaimedOrSeen {
                 lease_expired: self.lease_expired,
                 expired,
                 owner: self.owner,
+                remaining_ms,
             }),
             _ => None,
         };

@@ -30,6 +30,11 @@ diesel::table! {
     }
 }
 
+/// What is left of a record's retention, in whole milliseconds (negative
+/// once expired), as the database's clock sees it: a replay cache keeps an
+/// entry no longer than this, so it never outlives the record it copies.
+const REMAINING_MS: &str = "(extract(epoch FROM expires_at - now()) * 1000)::int8";
+
 pub(crate) const IN_PROGRESS: &str = "in_progress";
 pub(crate) const COMPLETED: &str = "completed";
 pub(crate) const OK: &str = "ok";
@@ -123,9 +128,10 @@ impl QueryFragment<Pg> for ClaimOrRead<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
             "WITH seen AS (SELECT operation, fingerprint, state, outcome, response, \
-             lease_until < now() AS lease_expired, expires_at <= now() AS expired, owner \
-             FROM idem_requests WHERE scope = ",
+             lease_until < now() AS lease_expired, expires_at <= now() AS expired, owner, ",
         );
+        out.push_sql(REMAINING_MS);
+        out.push_sql(" AS remaining_ms FROM idem_requests WHERE scope = ");
         out.push_bind_param::<Text, _>(self.0.identity.scope)?;
         out.push_sql(" AND key = ");
         out.push_bind_param::<Text, _>(self.0.identity.key)?;
@@ -133,8 +139,8 @@ impl QueryFragment<Pg> for ClaimOrRead<'_> {
         self.0.walk_insert(out.reborrow())?;
         out.push_sql(
             " AS ok) SELECT (SELECT ok FROM claimed), seen.operation, seen.fingerprint, seen.state, \
-             seen.outcome, seen.response, seen.lease_expired, seen.expired, seen.owner \
-             FROM (SELECT 1) AS one LEFT JOIN seen ON true",
+             seen.outcome, seen.response, seen.lease_expired, seen.expired, seen.owner, \
+             seen.remaining_ms FROM (SELECT 1) AS one LEFT JOIN seen ON true",
         );
         Ok(())
     }
@@ -151,6 +157,7 @@ impl Query for ClaimOrRead<'_> {
         Nullable<Bool>,
         Nullable<Bool>,
         Nullable<diesel::sql_types::Bytea>,
+        Nullable<BigInt>,
     );
 }
 
@@ -162,6 +169,8 @@ pub(crate) struct Record<'a> {
     pub(crate) response: &'a serde_json::Value,
     /// External mode: only the owner's own claim is completed.
     pub(crate) owner: Option<&'a [u8]>,
+    /// Return the response as stored (see [`push_returning`]).
+    pub(crate) returning: bool,
 }
 
 impl QueryFragment<Pg> for Record<'_> {
@@ -176,7 +185,7 @@ impl QueryFragment<Pg> for Record<'_> {
         out.push_bind_param::<Text, _>(self.key)?;
         out.push_sql(" AND state <> 'completed' AND owner IS NOT DISTINCT FROM ");
         out.push_bind_param::<Nullable<Binary>, _>(&self.owner)?;
-        Ok(())
+        push_returning(self.returning, out)
     }
 }
 
@@ -192,6 +201,8 @@ pub(crate) struct Complete<'a> {
     pub(crate) outcome: &'a str,
     pub(crate) response: &'a serde_json::Value,
     pub(crate) ttl_micros: i64,
+    /// Return the response as stored (see [`push_returning`]).
+    pub(crate) returning: bool,
 }
 
 impl QueryFragment<Pg> for Complete<'_> {
@@ -214,8 +225,29 @@ impl QueryFragment<Pg> for Complete<'_> {
              created_at = now(), updated_at = now(), expires_at = excluded.expires_at, \
              lease_until = NULL WHERE r.state = 'completed' AND r.expires_at <= now()",
         );
-        Ok(())
+        push_returning(self.returning, out)
     }
+}
+
+/// The two writes of a completed record ([`Complete`], [`Record`]) can hand
+/// back the response *as stored*: `jsonb` normalizes what it keeps (`-0.0`
+/// becomes `0.0`, `1e300` its digits, keys reordered), and a replay answers
+/// from the stored form, so a replay cache must copy that form, not the
+/// value the body returned. Only asked for when a cache will keep it (a
+/// second statement text, prepared once per connection like the first).
+fn push_returning(returning: bool, mut out: AstPass<'_, '_, Pg>) -> QueryResult<()> {
+    if returning {
+        out.push_sql(" RETURNING response");
+    }
+    Ok(())
+}
+
+impl Query for Complete<'_> {
+    type SqlType = Jsonb;
+}
+
+impl Query for Record<'_> {
+    type SqlType = Jsonb;
 }
 
 /// Local mode: duplicates of one key queue here, for the rest of the
@@ -249,8 +281,10 @@ impl QueryFragment<Pg> for Read<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
             "SELECT operation, fingerprint, state, outcome, response, lease_until < now(), \
-             expires_at <= now(), owner FROM idem_requests WHERE scope = ",
+             expires_at <= now(), owner, ",
         );
+        out.push_sql(REMAINING_MS);
+        out.push_sql(" FROM idem_requests WHERE scope = ");
         out.push_bind_param::<Text, _>(self.scope)?;
         out.push_sql(" AND key = ");
         out.push_bind_param::<Text, _>(self.key)?;
@@ -268,6 +302,7 @@ impl Query for Read<'_> {
         Nullable<Bool>,
         Bool,
         Nullable<diesel::sql_types::Bytea>,
+        BigInt,
     );
 }
 

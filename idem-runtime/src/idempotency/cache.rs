@@ -1,0 +1,431 @@
+//! A Redis front cache of replays (feature `redis`): seed 003 §6.4's retry
+//! storm, absorbed before it reaches the database.
+//!
+//! A completed record (the operation and fingerprint it was made for,
+//! whether it holds a value or a final error, and its response *as the
+//! database stores it*) is copied to Redis once its transaction committed,
+//! and again when a replay read it from the database. A request with a
+//! cache looks there first: an entry for the same operation and fingerprint
+//! is replayed without a connection being checked out. Everything else goes
+//! to the database, which stays the arbiter:
+//!
+//! * a miss, an entry for another request (the database answers 422), an
+//!   entry that cannot be read, Redis down or slower than
+//!   [`CacheConfig::timeout`]: the request goes on as if there were no
+//!   cache. After a failure Redis is left alone for [`CacheConfig::backoff`],
+//!   so a dead Redis costs one timeout per back-off, not one per request;
+//! * the cache never says a key is new, and never holds an in-progress or
+//!   outcome-unknown record: only what a database replay would answer;
+//! * an entry lives at most [`CacheConfig::max_ttl`], and at most half of
+//!   what is left of the record's retention (by the database's clock), so it
+//!   never outlives the record it copies.
+//!
+//! Entries are keyed by a SHA-256 of the stored scope and the key (records
+//! are one per (scope, key)), under [`CacheConfig::prefix`]; the caller's
+//! key never appears in Redis.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use sha2::{Digest, Sha256};
+
+use super::fingerprint;
+
+/// Settings of a [`ReplayCache`]; each has a documented default.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// The longest a request waits for Redis, per command, before going to
+    /// the database. Default 30 ms.
+    pub timeout: Duration,
+    /// How long Redis is left alone after a command failed or timed out.
+    /// Default 1 s.
+    pub backoff: Duration,
+    /// The longest an entry is kept. Default 5 min; an entry is also kept at
+    /// most half of what is left of its record's retention.
+    pub max_ttl: Duration,
+    /// Prepended to every key the cache writes. Default `idem:replay:`.
+    pub prefix: String,
+}
+
+impl CacheConfig {
+    /// The defaults.
+    pub fn new() -> Self {
+        CacheConfig {
+            timeout: Duration::from_millis(30),
+            backoff: Duration::from_secs(1),
+            max_ttl: Duration::from_secs(300),
+            prefix: "idem:replay:".to_owned(),
+        }
+    }
+    /// Set [`timeout`](Self::timeout).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+    /// Set [`backoff`](Self::backoff).
+    pub fn backoff(mut self, backoff: Duration) -> Self {
+        self.backoff = backoff;
+        self
+    }
+    /// Set [`max_ttl`](Self::max_ttl).
+    pub fn max_ttl(mut self, max_ttl: Duration) -> Self {
+        self.max_ttl = max_ttl;
+        self
+    }
+    /// Set [`prefix`](Self::prefix).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Why a [`ReplayCache`] could not be built.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum CacheError {
+    /// The URL is not one the Redis client accepts.
+    #[error("invalid Redis URL {url:?}: {reason}")]
+    InvalidUrl {
+        /// The URL given.
+        url: String,
+        /// The client's reason.
+        reason: String,
+    },
+}
+
+/// What the cache did since it was built, as counted by the cache itself
+/// (for dashboards; tests count from Redis and the database instead).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Requests answered from Redis.
+    pub hits: u64,
+    /// Lookups that found no entry.
+    pub misses: u64,
+    /// Entries for another operation or fingerprint (the database answers).
+    pub mismatches: u64,
+    /// Entries that could not be read (the database answers).
+    pub unreadable: u64,
+    /// Commands that failed or timed out (each starts a back-off).
+    pub failures: u64,
+    /// Lookups and writes skipped during a back-off.
+    pub skipped: u64,
+    /// Entries written.
+    pub writes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    mismatches: AtomicU64,
+    unreadable: AtomicU64,
+    failures: AtomicU64,
+    skipped: AtomicU64,
+    writes: AtomicU64,
+}
+
+/// A Redis front cache of completed idempotency records. Cheap to clone
+/// (one shared multiplexed connection, which reconnects by itself); build
+/// one per process and hand it to `#[idempotent(.., cache = ..)]`.
+///
+/// The database stays the arbiter: only completed records are copied (after
+/// their commit, and after a replay read one), in the form `jsonb` stored
+/// them, so a replay from Redis is the database's replay byte for byte. A
+/// miss, an entry made for another operation or fingerprint, an unreadable
+/// entry, or Redis failing or slower than [`CacheConfig::timeout`] sends the
+/// request to the database (and, after a failure, Redis is left alone for
+/// [`CacheConfig::backoff`]). The cache never says a key is new, and an
+/// entry lives at most `min(max_ttl, half the record's remaining retention)`.
+///
+/// ```no_run
+/// # fn demo() -> Result<(), idem_runtime::idempotency::CacheError> {
+/// use idem_runtime::idempotency::{CacheConfig, ReplayCache};
+/// let cache = ReplayCache::with_config(
+///     "redis://127.0.0.1:6379",
+///     CacheConfig::new().timeout(std::time::Duration::from_millis(20)),
+/// )?;
+/// # let _ = cache; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct ReplayCache {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: ConnectionManager,
+    config: CacheConfig,
+    /// Until when Redis is left alone after a failure.
+    resting_until: Mutex<Option<Instant>>,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for ReplayCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplayCache")
+            .field("config", &self.inner.config)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A completed record as the cache keeps it.
+pub(crate) struct Entry {
+    pub(crate) error: bool,
+    pub(crate) operation: String,
+    pub(crate) fingerprint: [u8; 32],
+    /// The stored response's JSON.
+    pub(crate) response: Vec<u8>,
+}
+
+/// The first bytes of every entry: a format version, so a later format is
+/// read as a miss rather than misread.
+const MAGIC: &[u8; 4] = b"idr1";
+
+impl Entry {
+    fn encode(&self) -> Vec<u8> {
+        let op = self.operation.as_bytes();
+        let mut out = Vec::with_capacity(4 + 1 + 32 + 4 + op.len() + self.response.len());
+        out.extend_from_slice(MAGIC);
+        out.push(u8::from(self.error));
+        out.extend_from_slice(&self.fingerprint);
+        out.extend_from_slice(&(op.len() as u32).to_be_bytes());
+        out.extend_from_slice(op);
+        out.extend_from_slice(&self.response);
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Entry> {
+        let rest = bytes.strip_prefix(MAGIC)?;
+        let (&error, rest) = rest.split_first()?;
+        let fingerprint: [u8; 32] = rest.get(..32)?.try_into().ok()?;
+        let len = u32::from_be_bytes(rest.get(32..36)?.try_into().ok()?) as usize;
+        let operation = std::str::from_utf8(rest.get(36..36 + len)?).ok()?;
+        Some(Entry {
+            error: match error {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
+            fingerprint,
+            operation: operation.to_owned(),
+            response: rest[36 + len..].to_vec(),
+        })
+    }
+}
+
+impl ReplayCache {
+    /// A cache on the Redis at `url` (`redis://host:port[/db]`), with the
+    /// default [`CacheConfig`]. Nothing is connected yet: the first request
+    /// connects, and a Redis that is down only costs the back-off.
+    pub fn new(url: &str) -> Result<ReplayCache, CacheError> {
+        Self::with_config(url, CacheConfig::new())
+    }
+
+    /// A cache on the Redis at `url` with `config`.
+    pub fn with_config(url: &str, config: CacheConfig) -> Result<ReplayCache, CacheError> {
+        let invalid = |e: redis::RedisError| CacheError::InvalidUrl {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        };
+        let client = redis::Client::open(url).map_err(invalid)?;
+        // One try per command and no retry loop of the client's own: the
+        // caller's timeout and back-off decide when Redis is tried again.
+        let manager = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.timeout))
+            .set_response_timeout(Some(config.timeout))
+            .set_number_of_retries(0);
+        let conn = client
+            .get_connection_manager_lazy(manager)
+            .map_err(invalid)?;
+        Ok(ReplayCache {
+            inner: Arc::new(Inner {
+                conn,
+                config,
+                resting_until: Mutex::new(None),
+                counters: Counters::default(),
+            }),
+        })
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> &CacheConfig {
+        &self.inner.config
+    }
+
+    /// What it did so far.
+    pub fn stats(&self) -> CacheStats {
+        let c = &self.inner.counters;
+        let get = |n: &AtomicU64| n.load(Ordering::Relaxed);
+        CacheStats {
+            hits: get(&c.hits),
+            misses: get(&c.misses),
+            mismatches: get(&c.mismatches),
+            unreadable: get(&c.unreadable),
+            failures: get(&c.failures),
+            skipped: get(&c.skipped),
+            writes: get(&c.writes),
+        }
+    }
+
+    /// The Redis key of the record of `key` in the stored scope `scope`.
+    pub fn redis_key(&self, scope: &str, key: &str) -> String {
+        let mut hasher = Sha256::new();
+        hasher.update(b"idem-replay-v1");
+        hasher.update(scope.as_bytes());
+        hasher.update([0]);
+        hasher.update(key.as_bytes());
+        format!(
+            "{}{}",
+            self.inner.config.prefix,
+            fingerprint::hex(&hasher.finalize())
+        )
+    }
+
+    /// The entry of a record, if Redis answers in time and has one.
+    pub(crate) async fn lookup(&self, scope: &str, key: &str) -> Option<Entry> {
+        let mut conn = self.inner.conn.clone();
+        let get = redis::cmd("GET").arg(self.redis_key(scope, key)).to_owned();
+        let bytes: Option<Vec<u8>> = self
+            .guarded(async move { get.query_async(&mut conn).await })
+            .await?;
+        let Some(bytes) = bytes else {
+            self.count(|c| &c.misses);
+            return None;
+        };
+        let entry = Entry::decode(&bytes);
+        if entry.is_none() {
+            self.count(|c| &c.unreadable);
+        }
+        entry
+    }
+
+    /// Keep `entry` for at most half of `remaining` (the record's retention
+    /// left) and [`CacheConfig::max_ttl`].
+    pub(crate) async fn store(&self, scope: &str, key: &str, entry: &Entry, remaining: Duration) {
+        let ttl = self.inner.config.max_ttl.min(remaining / 2);
+        let millis = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        if millis == 0 {
+            return;
+        }
+        let mut conn = self.inner.conn.clone();
+        let set = redis::cmd("SET")
+            .arg(self.redis_key(scope, key))
+            .arg(entry.encode())
+            .arg("PX")
+            .arg(millis)
+            .to_owned();
+        let written: Option<()> = self
+            .guarded(async move { set.query_async(&mut conn).await })
+            .await;
+        if written.is_some() {
+            self.count(|c| &c.writes);
+        }
+    }
+
+    pub(crate) fn hit(&self) {
+        self.count(|c| &c.hits);
+    }
+
+    pub(crate) fn mismatch(&self) {
+        self.count(|c| &c.mismatches);
+    }
+
+    pub(crate) fn unreadable(&self) {
+        self.count(|c| &c.unreadable);
+    }
+
+    fn count(&self, counter: impl FnOnce(&Counters) -> &AtomicU64) {
+        counter(&self.inner.counters).fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Run one command within the timeout, unless Redis is resting; a
+    /// failure starts its rest.
+    async fn guarded<T>(
+        &self,
+        command: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Option<T> {
+        let resting = self.inner.resting_until.lock().map(|g| *g).ok().flatten();
+        if resting.is_some_and(|until| Instant::now() < until) {
+            self.count(|c| &c.skipped);
+            return None;
+        }
+        let failure = match tokio::time::timeout(self.inner.config.timeout, command).await {
+            Ok(Ok(value)) => return Some(value),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {:?}", self.inner.config.timeout),
+        };
+        self.count(|c| &c.failures);
+        let backoff = self.inner.config.backoff;
+        if let Ok(mut until) = self.inner.resting_until.lock() {
+            *until = Some(Instant::now() + backoff);
+        }
+        tracing::warn!(error = %failure, ?backoff, "the replay cache is unavailable: requests go to the database");
+        None
+    }
+}
+
+/// A value usable as `cache = ..` in `#[idempotent]`: a [`ReplayCache`], a
+/// reference to one, an `Arc` of one, or an `Option` of these (`None`: no
+/// cache for this call).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a replay cache",
+    label = "`cache = ..` takes this",
+    note = "give `cache = ` an `idem::idempotency::ReplayCache` (or a reference, an `Arc` or an `Option` of one)"
+)]
+pub trait CacheInput {
+    /// The cache, if there is one.
+    fn replay_cache(&self) -> Option<&ReplayCache>;
+}
+
+impl CacheInput for ReplayCache {
+    fn replay_cache(&self) -> Option<&ReplayCache> {
+        Some(self)
+    }
+}
+impl<T: CacheInput + ?Sized> CacheInput for &T {
+    fn replay_cache(&self) -> Option<&ReplayCache> {
+        (**self).replay_cache()
+    }
+}
+impl<T: CacheInput + ?Sized> CacheInput for Arc<T> {
+    fn replay_cache(&self) -> Option<&ReplayCache> {
+        (**self).replay_cache()
+    }
+}
+impl<T: CacheInput> CacheInput for Option<T> {
+    fn replay_cache(&self) -> Option<&ReplayCache> {
+        self.as_ref().and_then(CacheInput::replay_cache)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_refuse_other_formats() {
+        let entry = Entry {
+            error: true,
+            operation: "payments::pay".to_owned(),
+            fingerprint: [7; 32],
+            response: br#"{"a": 0.0}"#.to_vec(),
+        };
+        let back = Entry::decode(&entry.encode()).expect("decodes");
+        assert!(back.error);
+        assert_eq!(back.operation, entry.operation);
+        assert_eq!(back.fingerprint, entry.fingerprint);
+        assert_eq!(back.response, entry.response);
+        let mut other = entry.encode();
+        other[3] = b'2';
+        assert!(Entry::decode(&other).is_none());
+        assert!(Entry::decode(&entry.encode()[..20]).is_none());
+    }
+}
