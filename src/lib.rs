@@ -47,8 +47,8 @@ pub mod idempotency {
         current_key, derived_key, fingerprint, purge_expired, scope_hash, settle, validate_key,
         Field, PurgeReport, Settlement, MAX_STORED_DEPTH, OUTCOME_UNKNOWN_MESSAGE,
     };
-    /// The Redis front cache of replays (feature `redis`): see the README's
-    /// "Redis front cache" and `#[idempotent(.., cache = ..)]`.
+    /// The Redis front cache of replays (feature `redis`): see the guide's
+    /// "Redis front cache" (`docs/idempotent.md`) and `#[idempotent(.., cache = ..)]`.
     #[cfg(feature = "redis")]
     pub use idem_runtime::idempotency::{CacheConfig, CacheError, CacheStats, ReplayCache};
 }
@@ -112,3 +112,29 @@ pub mod http;
 /// What generated code reaches; not a public API.
 #[doc(hidden)]
 pub use idem_runtime::__private;
+
+/// The guide's pages (`docs/*.md`), compiled as doctests so their examples
+/// stay true; nothing here is part of the API.
+#[cfg(doctest)]
+mod guide {
+    #[doc = include_str!("../docs/versioned.md")]
+    struct Versioned;
+    #[doc = include_str!("../docs/retryable.md")]
+    struct Retryable;
+    #[doc = include_str!("../docs/idempotent.md")]
+    struct Idempotent;
+    #[doc = include_str!("../docs/ledger.md")]
+    struct Ledger;
+    #[doc = include_str!("../docs/messaging.md")]
+    struct Messaging;
+    #[doc = include_str!("../docs/jobs.md")]
+    struct Jobs;
+    #[doc = include_str!("../docs/orders.md")]
+    struct Orders;
+    #[doc = include_str!("../docs/many-instances.md")]
+    struct ManyInstances;
+    #[doc = include_str!("../docs/internals.md")]
+    struct Internals;
+    #[doc = include_str!("../docs/contention.md")]
+    struct Contention;
+}

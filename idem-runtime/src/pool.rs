@@ -89,8 +89,8 @@ pub enum Pooler {
     ///   connection does not exist on the next. diesel-async then prepares
     ///   each statement where it runs and closes it right after: inside a
     ///   transaction that is always the same server connection. It costs one
-    ///   more round trip per statement (Parse before Bind; the README's
-    ///   "Running many instances" has measured figures);
+    ///   more round trip per statement (Parse before Bind; the guide's
+    ///   `docs/many-instances.md` has measured figures);
     /// * sets nothing for the session, since a session `SET` would stay on
     ///   whichever server connection ran it, for other clients to inherit.
     ///   So idem does not ask for untranslated messages, and a deadlock
