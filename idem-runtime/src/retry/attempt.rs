@@ -168,9 +168,11 @@ impl Attempt {
 /// begins the transaction that records the call's outcome, and the body's
 /// local writes made through it commit with that record.
 ///
-/// An external body takes it in place of the connection:
+/// An external body takes it in place of the connection (a sketch: the
+/// macro lives in the `idem` facade, which this crate cannot name; the same
+/// example compiles in the guide, `docs/idempotent.md`):
 ///
-/// ```ignore
+/// ```text
 /// #[idempotent(key = cmd.key, mode = external, scope = none)]
 /// async fn refund(db: &mut idem::Deferred<'_>, cmd: &RefundCmd) -> Result<Refund, AppError> {
 ///     let receipt = psp.refund(&cmd.order, &current_key().unwrap()).await?; // no transaction open
