@@ -53,6 +53,7 @@ mod scratch;
 pub mod stats;
 mod url;
 mod via;
+mod wire;
 
 pub use cluster::{start_throwaway_cluster, Cluster};
 pub use database::{connect, TestDatabase};

@@ -4,10 +4,13 @@
 //! (the server committed), an answer that arrives late, and pooled
 //! connections that all break at once.
 //!
-//! Faults are rules armed on the proxy: when a chunk the client sends
-//! contains a pattern (SQL text: a simple query's text, or a statement's text
-//! when it is prepared), the rule fires once on that connection. Matching is
-//! on bytes, not on parsed messages: patterns should be distinctive SQL.
+//! Faults are rules armed on the proxy: when a chunk the client sends runs a
+//! statement whose SQL contains a pattern (a simple query, or a `Bind` of a
+//! prepared statement, matched by the text it was prepared with), the rule
+//! fires once on that connection. A
+//! `Parse` alone runs nothing and fires nothing. Patterns should be
+//! distinctive SQL; a text ends with its NUL, so `"COMMIT\0"` is `COMMIT`
+//! alone.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -29,6 +32,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::url::{host_port, with_host_port};
+use crate::wire::Frontend;
 use crate::HarnessError;
 
 /// What a rule does to the connection whose client sent the pattern.
@@ -105,7 +109,7 @@ impl Proxy {
     }
 
     /// Fire `fault` once, at the `n`-th chunk (1-based) any client sends
-    /// that contains `pattern`.
+    /// that runs a statement containing `pattern`.
     pub fn arm_nth(&self, pattern: &str, n: usize, fault: Fault) {
         self.shared.rules.lock().unwrap().push(Rule {
             pattern: pattern.as_bytes().to_vec(),
@@ -187,6 +191,7 @@ async fn relay(
     // Set before a statement is forwarded whose answer must never arrive.
     let cut = AtomicBool::new(false);
     let upstream = async {
+        let mut wire = Frontend::default();
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             let n = match client_rx.read(&mut buf).await {
@@ -199,7 +204,7 @@ async fn relay(
                     String::from_utf8_lossy(&buf[..n])
                 );
             }
-            let fault = take_rule(&shared, &buf[..n]);
+            let fault = take_rule(&shared, &wire.runs(&buf[..n]));
             match fault {
                 Some(Fault::CutBefore) => return,
                 Some(Fault::HoldRequest(d)) => tokio::time::sleep(d).await,
@@ -256,13 +261,17 @@ async fn relay(
     }
 }
 
-/// The fault of the first armed rule whose pattern `chunk` contains and
-/// whose matches to skip are used up, removed.
-fn take_rule(shared: &Shared, chunk: &[u8]) -> Option<Fault> {
+/// The fault of the first armed rule whose pattern a statement that a
+/// chunk `runs` contains, and whose matches to skip are used up, removed.
+fn take_rule(shared: &Shared, runs: &[Vec<u8>]) -> Option<Fault> {
+    if runs.is_empty() {
+        return None;
+    }
     let mut rules = shared.rules.lock().unwrap();
     let mut fire = None;
     for (index, rule) in rules.iter_mut().enumerate() {
-        if !chunk.windows(rule.pattern.len()).any(|w| w == rule.pattern) {
+        let contains = |sql: &Vec<u8>| sql.windows(rule.pattern.len()).any(|w| w == rule.pattern);
+        if !runs.iter().any(contains) {
             continue;
         }
         if rule.skip == 0 {
