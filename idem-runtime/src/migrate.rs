@@ -166,6 +166,11 @@ static MIGRATIONS: &[Migration] = &[
         name: "jobs",
         sql: include_str!("../migrations/0008_jobs.sql"),
     },
+    Migration {
+        version: 9,
+        name: "record_taken",
+        sql: include_str!("../migrations/0009_record_taken.sql"),
+    },
 ];
 
 /// The migrations embedded in this build, in the order [`migrate`] applies them.

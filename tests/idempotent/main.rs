@@ -25,6 +25,7 @@ mod external;
 mod hostile;
 mod local;
 mod one_write;
+mod pipelined;
 mod retention;
 mod stacking;
 mod stored;

@@ -3,10 +3,10 @@
 //! the body's result, [`Call::end`] with the loop's. Each returns a typed
 //! [`Step`] or answer; nothing is signalled through fake errors.
 //!
-//! * local mode: the attempt's transaction first queues on the advisory lock
-//!   of (scope, key) and reads the record (one round trip, pipelined); a new
-//!   request runs the body and inserts its completed record just before
-//!   COMMIT, its one write. A replay answers from the read and ends its
+//! * local mode: the attempt's transaction queues on the advisory lock of
+//!   (scope, key) and reads the record in the round trip of its `BEGIN`
+//!   (pipelined); a new request runs the body and inserts its completed
+//!   record, its one write, in the round trip of its `COMMIT`. A replay answers from the read and ends its
 //!   transaction in the background. A final error rolls the attempt back and
 //!   the next attempt stores it, without the body's writes.
 //! * external mode: the first attempt commits the claim, with this call's
@@ -31,7 +31,7 @@ use super::{Idempotent, IdempotentError};
 use crate::error::Error;
 use crate::pool::Pool;
 use crate::retry::{Attempt, Begin, Isolation, Step};
-use crate::tx::Tx;
+use crate::tx::{Closing, CommitFailure, Tx};
 
 /// How often a duplicate that may wait looks at the first request again.
 const WAIT_POLL: Duration = Duration::from_millis(20);
@@ -49,6 +49,9 @@ pub struct Call<E> {
     pending_final: Option<(E, serde_json::Value)>,
     /// Until when a duplicate waits for an in-progress first request.
     wait_until: Instant,
+    /// Local mode: this attempt's read found an expired record of the key,
+    /// which its record takes over.
+    takeover: bool,
     /// The replay cache this call reads first and fills after.
     #[cfg(feature = "redis")]
     cache: Option<super::ReplayCache>,
@@ -96,6 +99,7 @@ impl<E> Call<E> {
             body_ran: false,
             pending_final: None,
             wait_until,
+            takeover: false,
             #[cfg(feature = "redis")]
             cache: None,
             completed: None,
@@ -181,10 +185,11 @@ impl<E> Call<E> {
     }
 
     /// How the next attempt begins: an external call's body attempt holds
-    /// no transaction (and no connection) until it needs one; every other
-    /// attempt begins at once.
+    /// no transaction (and no connection) until it needs one; a local one
+    /// begins in [`Call::enter`], its first statements sent with its
+    /// `BEGIN`; an external claim begins at once.
     pub fn begin(&self) -> Begin {
-        if self.request.external() && self.claimed && self.pending_final.is_none() {
+        if !self.request.external() || (self.claimed && self.pending_final.is_none()) {
             Begin::OnFirstUse
         } else {
             Begin::Now
@@ -209,21 +214,34 @@ impl<E> Call<E> {
             self.body_ran = true;
             return None;
         }
-        let conn = attempt.conn();
         if !external {
-            // Local: queue behind a duplicate in flight, then read.
-            match self.request.lock_and_read(conn).await {
-                Ok(Found::New) => {}
-                Ok(found) => return Some(self.found(found)),
-                Err(e) => return Some(Err(db(e))),
+            // Local: queue behind a duplicate in flight, then read, both sent
+            // with the attempt's BEGIN.
+            let stored = match attempt.open_with(&self.request.lock_and_read()).await {
+                Ok(Ok(stored)) => stored,
+                Ok(Err(e)) => return Some(Err(db(e))),
+                Err(e) => return Some(Err(E::from(e))),
+            };
+            // An expired record is new to this request, and taken over.
+            self.takeover = stored.is_some();
+            match stored.map_or(Found::New, |s| self.request.judge(s)) {
+                Found::New => {}
+                found => return Some(self.found(found)),
             }
             return match &self.pending_final {
                 // The final error, stored without the body's writes.
                 Some((_, stored)) => {
-                    let written = self.complete(conn, store::ERROR, stored).await;
+                    let written = self.complete(attempt, store::ERROR, stored).await;
                     Some(written.map(|(step, kept)| {
                         self.completed = kept;
-                        answer(step, Reply::FinalStored)
+                        match step {
+                            // Nothing but the record was in the transaction:
+                            // the next attempt reads whether it committed.
+                            Step::Committed(Err(CommitFailure::Unknown)) => {
+                                Step::Again(Duration::ZERO)
+                            }
+                            step => answer(step, Reply::FinalStored),
+                        }
                     }))
                 }
                 None => {
@@ -232,6 +250,7 @@ impl<E> Call<E> {
                 }
             };
         }
+        let conn = attempt.conn();
         if let Some((_, stored)) = &self.pending_final {
             // External: the claim is this call's.
             let written = self.record(conn, store::ERROR, stored).await;
@@ -296,14 +315,14 @@ impl<E> Call<E> {
         match outcome {
             Ok(value) => {
                 let response = self.request.response(&value).map_err(E::from)?;
-                // External phase 3: the outcome's transaction, begun now if
-                // the body wrote nothing of its own.
-                let conn = attempt.open().await.map_err(E::from)?;
                 if self.request.external() {
+                    // External phase 3: the outcome's transaction, begun now
+                    // if the body wrote nothing of its own.
+                    let conn = attempt.open().await.map_err(E::from)?;
                     self.completed = self.record(conn, store::OK, &response).await?;
                     return Ok(Step::Commit(Reply::Fresh(value)));
                 }
-                let (step, kept) = self.complete(conn, store::OK, &response).await?;
+                let (step, kept) = self.complete(attempt, store::OK, &response).await?;
                 self.completed = kept;
                 Ok(answer(step, Reply::Fresh(value)))
             }
@@ -326,28 +345,29 @@ impl<E> Call<E> {
         }
     }
 
-    /// Local mode: the one write of a new request. A record that appeared
-    /// meanwhile (an external claim of the same key, or, under a snapshot
-    /// isolation, a duplicate's) sends the attempt round again, with its
-    /// writes rolled back, to read it.
+    /// Local mode: the one write of a new request, sent with the attempt's
+    /// `COMMIT`. A record that appeared meanwhile (an external claim of the
+    /// same key, or, under a snapshot isolation, a duplicate's) makes it fail
+    /// and the transaction roll back; the attempt goes round again to read it.
     async fn complete(
         &self,
-        conn: &mut AsyncPgConnection,
+        attempt: &mut Attempt,
         outcome: &str,
         response: &serde_json::Value,
     ) -> Result<(Step<()>, Option<Completed>), E>
     where
         E: IdempotentError,
     {
-        let caching = self.caching();
-        match self
+        let last = self
             .request
-            .complete(conn, outcome, response, caching)
-            .await
-        {
-            Ok(Some(stored)) => Ok((Step::Commit(()), self.kept(outcome, stored))),
-            Ok(None) => Ok((Step::Again(Duration::ZERO), None)),
-            Err(e) => Err(db(e)),
+            .complete(outcome, response, self.takeover, self.caching());
+        match attempt.commit_behind(&last).await {
+            Ok(stored) => Ok((Step::Committed(Ok(())), self.kept(outcome, stored))),
+            Err(Closing::Failed(e)) if store::record_taken(&e) => {
+                Ok((Step::Again(Duration::ZERO), None))
+            }
+            Err(Closing::Failed(e)) => Err(db(e)),
+            Err(Closing::Commit(failure)) => Ok((Step::Committed(Err(failure)), None)),
         }
     }
 
@@ -503,6 +523,7 @@ fn answer<V>(step: Step<()>, value: V) -> Step<V> {
     match step {
         Step::Commit(()) => Step::Commit(value),
         Step::Answer(()) => Step::Answer(value),
+        Step::Committed(committed) => Step::Committed(committed.map(|()| value)),
         Step::CommitAndContinue => Step::CommitAndContinue,
         Step::Again(delay) => Step::Again(delay),
     }

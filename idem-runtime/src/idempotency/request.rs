@@ -7,6 +7,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use futures_util::future::{try_join, BoxFuture};
+use futures_util::{FutureExt, TryFutureExt};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -15,6 +17,7 @@ use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode, MAX_STORED_DEPTH,
 };
 use crate::error::{Error, Unstorable};
+use crate::tx::Pipelined;
 
 /// One idempotent request, validated.
 #[derive(Debug, Clone)]
@@ -170,49 +173,29 @@ impl Request {
         Ok(Claimed::Found(stored.map_or(Found::New, |s| self.judge(s))))
     }
 
-    /// Local mode: queue behind any duplicate in flight (the advisory lock
-    /// of this scope and key, held to the end of the transaction), then read
-    /// the record. The two statements go out together (pipelined: one round
-    /// trip); the read, a later statement, sees a record the duplicate
-    /// committed while this one waited (READ COMMITTED; under a snapshot
-    /// isolation [`Complete`] finds it instead).
-    pub(crate) async fn lock_and_read(&self, conn: &mut AsyncPgConnection) -> QueryResult<Found> {
-        let conn: &AsyncPgConnection = conn;
-        let lock = Lock {
-            key: self.lock_key(),
-        }
-        .execute(&mut &*conn);
-        let read = Read {
-            scope: &self.scope.hash,
-            key: &self.key,
-        }
-        .get_result::<Stored>(&mut &*conn);
-        let (_, stored) = tokio::try_join!(lock, async { read.await.optional() })?;
-        Ok(stored.map_or(Found::New, |s| self.judge(s)))
+    /// Local mode's first statements: queue behind any duplicate in flight
+    /// (the advisory lock of this scope and key, held to the end of the
+    /// transaction), then read the record. See [`LockAndRead`].
+    pub(crate) fn lock_and_read(&self) -> LockAndRead<'_> {
+        LockAndRead(self)
     }
 
-    /// Local mode: write the completed record (the request's one write).
-    /// `None`: a record appeared that this request must read first. With
-    /// `returning`, the response comes back as stored (for a replay cache).
-    pub(crate) async fn complete(
-        &self,
-        conn: &mut AsyncPgConnection,
-        outcome: &str,
-        response: &serde_json::Value,
+    /// Local mode's last statement: the completed record (the request's one
+    /// write), sent with `COMMIT`. See [`Completing`].
+    pub(crate) fn complete<'a>(
+        &'a self,
+        outcome: &'a str,
+        response: &'a serde_json::Value,
+        takeover: bool,
         returning: bool,
-    ) -> QueryResult<Option<Option<serde_json::Value>>> {
-        let statement = Complete {
-            identity: self.identity(),
+    ) -> Completing<'a> {
+        Completing {
+            request: self,
             outcome,
             response,
-            ttl_micros: micros(self.config.ttl),
+            takeover,
             returning,
-        };
-        if returning {
-            let stored: Option<serde_json::Value> = statement.get_result(conn).await.optional()?;
-            return Ok(stored.map(Some));
         }
-        Ok((statement.execute(conn).await? == 1).then_some(None))
     }
 
     /// The operation the record is made for.
@@ -266,6 +249,77 @@ impl Request {
         storable(&response, self.config.max_response_bytes)
             .map_err(Error::Unstorable)
             .map(|()| response)
+    }
+}
+
+/// The advisory lock and the read of a local request's record, sent
+/// together (one round trip, behind `BEGIN` when the attempt opens with
+/// them), the lock first: the read, a later statement, sees a record a
+/// duplicate committed while this one waited (READ COMMITTED; under a
+/// snapshot isolation [`Complete`] finds it instead). Joined in order (see
+/// [`crate::tx`]'s pipelining), so the lock is sent first even when Tokio's
+/// budget holds it back a poll.
+pub(crate) struct LockAndRead<'r>(&'r Request);
+
+impl Pipelined for LockAndRead<'_> {
+    type Output = Option<Stored>;
+
+    fn send<'c>(
+        &'c self,
+        conn: &'c AsyncPgConnection,
+    ) -> BoxFuture<'c, QueryResult<Option<Stored>>> {
+        let request = self.0;
+        async move {
+            let (mut lock_on, mut read_on) = (conn, conn);
+            let lock = Lock {
+                key: request.lock_key(),
+            }
+            .execute(&mut lock_on);
+            let read = Read {
+                scope: &request.scope.hash,
+                key: &request.key,
+            }
+            .get_result::<Stored>(&mut read_on);
+            let (_, stored) = try_join(lock, async { read.await.optional() }).await?;
+            Ok(stored)
+        }
+        .boxed()
+    }
+}
+
+/// A local request's completed record, to send with `COMMIT`. It writes its
+/// row or fails (see [`Complete`]); with `returning`, the response comes back
+/// as stored (for a replay cache).
+pub(crate) struct Completing<'a> {
+    request: &'a Request,
+    outcome: &'a str,
+    response: &'a serde_json::Value,
+    /// The read found an expired record to take over (see [`Complete`]).
+    takeover: bool,
+    returning: bool,
+}
+
+impl Pipelined for Completing<'_> {
+    type Output = Option<serde_json::Value>;
+
+    fn send<'c>(
+        &'c self,
+        conn: &'c AsyncPgConnection,
+    ) -> BoxFuture<'c, QueryResult<Option<serde_json::Value>>> {
+        let statement = Complete {
+            identity: self.request.identity(),
+            outcome: self.outcome,
+            response: self.response,
+            ttl_micros: micros(self.request.config.ttl),
+            takeover: self.takeover,
+            returning: self.returning,
+        };
+        let mut on = conn;
+        if self.returning {
+            statement.get_result(&mut on).map_ok(Some).boxed()
+        } else {
+            statement.execute(&mut on).map_ok(|_| None).boxed()
+        }
     }
 }
 

@@ -189,18 +189,25 @@ impl QueryFragment<Pg> for Record<'_> {
     }
 }
 
-/// Local mode: the one write of a new request, made just before `COMMIT`:
-/// the completed record, inserted (or taking over a record whose retention
-/// ended). Duplicates never reach it concurrently, as they queue on [`Lock`]
-/// first; an external claim of the same key that slipped in makes it write
-/// nothing (0 rows), and under REPEATABLE READ or SERIALIZABLE a record
-/// committed after the snapshot makes it fail with 40001: both replay the
-/// attempt, whose read then finds the record.
+/// Local mode: the one write of a new request, sent with `COMMIT` (in one
+/// round trip): the completed record, inserted (or taking over a record
+/// whose retention ended). Duplicates never reach it concurrently, as they
+/// queue on [`Lock`] first. It never writes nothing, so that the `COMMIT`
+/// behind it cannot commit the body without it: a record of the key that
+/// appeared after the read (an external claim, which does not queue on the
+/// lock, or under a snapshot isolation a duplicate committed after the
+/// snapshot) fails the insert with a unique violation, or with 40001 under
+/// SERIALIZABLE, and a takeover with [`RECORD_TAKEN`]. The attempt is then
+/// replayed, and its read finds the record.
 pub(crate) struct Complete<'a> {
     pub(crate) identity: Identity<'a>,
     pub(crate) outcome: &'a str,
     pub(crate) response: &'a serde_json::Value,
     pub(crate) ttl_micros: i64,
+    /// The read found an expired record of the key, to take over. Otherwise
+    /// a plain INSERT (no speculative insertion: less work and WAL), which a
+    /// record that appeared meanwhile fails with a unique violation.
+    pub(crate) takeover: bool,
     /// Return the response as stored (see [`push_returning`]).
     pub(crate) returning: bool,
 }
@@ -217,15 +224,37 @@ impl QueryFragment<Pg> for Complete<'_> {
         out.push_bind_param::<Jsonb, _>(self.response)?;
         out.push_sql(", now() + ");
         out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
+        out.push_sql(" * interval '1 microsecond')");
+        if !self.takeover {
+            return push_returning(self.returning, out);
+        }
         out.push_sql(
-            " * interval '1 microsecond') ON CONFLICT (scope, key) DO UPDATE SET \
+            " ON CONFLICT (scope, key) DO UPDATE SET \
              scope_label = excluded.scope_label, operation = excluded.operation, \
-             fingerprint = excluded.fingerprint, mode = excluded.mode, state = 'completed', \
+             fingerprint = excluded.fingerprint, mode = excluded.mode, \
              owner = NULL, outcome = excluded.outcome, response = excluded.response, \
              created_at = now(), updated_at = now(), expires_at = excluded.expires_at, \
-             lease_until = NULL WHERE r.state = 'completed' AND r.expires_at <= now()",
+             lease_until = NULL, state = CASE WHEN r.state = 'completed' AND r.expires_at <= now() \
+             THEN 'completed' ELSE idem_record_taken() END",
         );
         push_returning(self.returning, out)
+    }
+}
+
+/// How [`Complete`] refuses to write nothing (SQLSTATE IDR01, migration 9):
+/// its message starts with this (diesel reports no SQLSTATE of its own).
+pub(crate) const RECORD_TAKEN: &str = "idem: record taken:";
+
+/// Whether `err` is [`Complete`] meeting a live record of its key: the
+/// primary key's unique violation, or a takeover's [`RECORD_TAKEN`].
+pub(crate) fn record_taken(err: &diesel::result::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind, Error};
+    match err {
+        Error::DatabaseError(DatabaseErrorKind::UniqueViolation, info) => {
+            info.constraint_name() == Some("idem_requests_pkey")
+        }
+        Error::DatabaseError(_, info) => info.message().starts_with(RECORD_TAKEN),
+        _ => false,
     }
 }
 

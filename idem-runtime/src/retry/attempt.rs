@@ -12,8 +12,10 @@
 //! first use, by the time that was left when the body started, counted from
 //! when the transaction begins.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
+use diesel::QueryResult;
 use diesel_async::AsyncPgConnection;
 
 use deadpool::managed::{PoolError, TimeoutType};
@@ -21,7 +23,8 @@ use deadpool::managed::{PoolError, TimeoutType};
 use super::{Isolation, RetryCause, Transient};
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::tx::{CommitFailure, Timeouts, Tx};
+use crate::pool::PooledConnection;
+use crate::tx::{BeginFailure, Closing, CommitFailure, Pipelined, Timeouts, Tx};
 
 /// How an attempt begins its transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +53,8 @@ struct Lazy {
 #[doc(hidden)]
 pub struct Attempt {
     tx: Option<Tx>,
+    /// How long its `COMMIT` (or `ROLLBACK`) may take to be answered.
+    commit_timeout: Duration,
     /// `Begin::OnFirstUse`: where and how to begin.
     lazy: Option<Lazy>,
     /// A lost connection met while beginning on first use: nothing of the
@@ -58,9 +63,10 @@ pub struct Attempt {
 }
 
 impl Attempt {
-    pub(crate) fn begun(tx: Tx) -> Attempt {
+    pub(crate) fn begun(tx: Tx, commit_timeout: Duration) -> Attempt {
         Attempt {
             tx: Some(tx),
+            commit_timeout,
             lazy: None,
             lost_at_begin: false,
         }
@@ -73,9 +79,11 @@ impl Attempt {
         isolation: Isolation,
         budget: Duration,
         last: bool,
+        commit_timeout: Duration,
     ) -> Attempt {
         Attempt {
             tx: None,
+            commit_timeout,
             lazy: Some(Lazy {
                 pool,
                 isolation,
@@ -102,12 +110,73 @@ impl Attempt {
     /// was deferred.
     pub async fn open(&mut self) -> Result<&mut AsyncPgConnection, Error> {
         if self.tx.is_none() {
-            let lazy = self
-                .lazy
-                .clone()
-                .expect("an attempt without a transaction begins on first use");
-            let until = Instant::now() + lazy.budget;
-            let conn = match tokio::time::timeout(lazy.budget, lazy.pool.get()).await {
+            let isolation = self.lazy_isolation();
+            self.begin_deferred(|conn, timeouts| async move {
+                Tx::begin_bounded(conn, isolation, timeouts)
+                    .await
+                    .map(|tx| (tx, ()))
+            })
+            .await?;
+        }
+        Ok(self.conn())
+    }
+
+    /// Run `first` as the attempt's first statements. On an attempt begun on
+    /// first use they go out with its `BEGIN`, in one round trip.
+    pub(crate) async fn open_with<P: Pipelined>(
+        &mut self,
+        first: &P,
+    ) -> Result<QueryResult<P::Output>, Error> {
+        if let Some(tx) = self.tx.as_mut() {
+            return Ok(first.send(tx.conn()).await);
+        }
+        let isolation = self.lazy_isolation();
+        self.begin_deferred(|conn, timeouts| Tx::begin_with(conn, isolation, timeouts, first))
+            .await
+    }
+
+    /// Commit with `last` sent ahead of `COMMIT`, in one round trip.
+    ///
+    /// # Panics
+    /// On an attempt whose transaction was never opened.
+    pub(crate) async fn commit_behind<P: Pipelined>(
+        &mut self,
+        last: &P,
+    ) -> Result<P::Output, Closing> {
+        let timeout = self.commit_timeout;
+        self.tx
+            .as_mut()
+            .expect("an attempt commits behind a statement only once open")
+            .commit_behind(timeout, last)
+            .await
+    }
+
+    fn lazy_isolation(&self) -> Isolation {
+        self.lazy
+            .as_ref()
+            .expect("an attempt without a transaction begins on first use")
+            .isolation
+    }
+
+    /// Check out a connection and begin the deferred transaction with
+    /// `begin`, within the attempt's budget. A pooled connection that broke
+    /// while idle ran nothing: another is tried at once, one per connection
+    /// the pool may hold, as [`RetryLoop::begin`](super::RetryLoop::begin)
+    /// does.
+    async fn begin_deferred<T, F, Fut>(&mut self, mut begin: F) -> Result<T, Error>
+    where
+        F: FnMut(PooledConnection, Timeouts) -> Fut,
+        Fut: Future<Output = Result<(Tx, T), BeginFailure>>,
+    {
+        let lazy = self
+            .lazy
+            .clone()
+            .expect("an attempt without a transaction begins on first use");
+        let until = Instant::now() + lazy.budget;
+        let mut stale = 0;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            let conn = match tokio::time::timeout(left, lazy.pool.get()).await {
                 Ok(checked_out) => checked_out,
                 Err(_elapsed) => Err(PoolError::Timeout(TimeoutType::Wait)),
             }
@@ -118,17 +187,23 @@ impl Attempt {
             })?;
             let left = until.saturating_duration_since(Instant::now());
             let timeouts = Timeouts::within(left, lazy.last);
-            match Tx::begin_bounded(conn, lazy.isolation, timeouts).await {
-                Ok(tx) => self.tx = Some(tx),
+            match begin(conn, timeouts).await {
+                Ok((tx, out)) => {
+                    self.tx = Some(tx);
+                    return Ok(out);
+                }
                 Err(failure) => {
-                    if failure.0.transient() == Some(RetryCause::ConnectionLost) {
-                        self.lost_at_begin = true;
+                    let lost = failure.0.transient() == Some(RetryCause::ConnectionLost);
+                    if lost && stale < lazy.pool.status().max_size {
+                        stale += 1;
+                        tracing::debug!(error = %failure.0, "a pooled connection was stale; trying another");
+                        continue;
                     }
+                    self.lost_at_begin |= lost;
                     return Err(Error::Begin(failure.0));
                 }
             }
         }
-        Ok(self.conn())
     }
 
     /// Why the attempt failed in a way worth replaying, as seen on its
@@ -141,6 +216,7 @@ impl Attempt {
     }
 
     pub(crate) async fn commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
+        debug_assert_eq!(timeout, self.commit_timeout);
         match self.tx.as_mut() {
             Some(tx) => tx.commit(timeout).await,
             // Nothing began, nothing to commit.

@@ -96,6 +96,10 @@ pub enum Step<T> {
     /// The attempt wrote nothing: return `T` at once and end the transaction
     /// in the background (an idempotent replay).
     Answer(T),
+    /// The attempt committed by itself, its last statement sent with its
+    /// `COMMIT` (a local idempotent call's record): return `T`, or handle
+    /// the failure as that of a [`Step::Commit`].
+    Committed(Result<T, CommitFailure>),
     /// Commit what the attempt wrote, then run the next attempt at once (an
     /// external idempotency claim, committed before its body runs). A commit
     /// whose outcome is unknown is replayed: the next attempt finds out.
@@ -190,6 +194,7 @@ impl<'p> RetryLoop<'p> {
                     self.policy.isolation,
                     left,
                     self.is_last_attempt(),
+                    self.policy.commit_timeout,
                 ))
             }
         }
@@ -277,7 +282,7 @@ impl<'p> RetryLoop<'p> {
                 .instrument(self.span.clone())
                 .await
             {
-                Ok(tx) => return Ok(Attempt::begun(tx)),
+                Ok(tx) => return Ok(Attempt::begun(tx, self.policy.commit_timeout)),
                 // A connection that broke while idle in the pool: nothing ran
                 // yet, so another connection is always safe to try. A pool
                 // whose connections all went stale at once (a restarted
@@ -376,16 +381,16 @@ impl<'p> RetryLoop<'p> {
                 }
             }
             Ok(Step::Commit(value)) => {
-                match attempt.commit(timeout).instrument(self.span.clone()).await {
-                    Ok(()) => return self.done(Ok(value), "committed"),
-                    Err(CommitFailure::Failed(err))
-                        if err.transient().is_some_and(|c| self.policy.replays(c)) =>
-                    {
-                        err.transient().unwrap_or(RetryCause::SerializationFailure)
-                    }
-                    Err(failure) => return self.commit_failed(failure),
+                let committed = attempt.commit(timeout).instrument(self.span.clone()).await;
+                match self.committed(committed.map(|()| value)) {
+                    ControlFlow::Break(outcome) => return outcome,
+                    ControlFlow::Continue(cause) => cause,
                 }
             }
+            Ok(Step::Committed(committed)) => match self.committed(committed) {
+                ControlFlow::Break(outcome) => return outcome,
+                ControlFlow::Continue(cause) => cause,
+            },
             Err(err) => {
                 // What failed on the attempt decides, not the error the body
                 // chose to return: a dead transaction is replayed whatever
@@ -406,6 +411,23 @@ impl<'p> RetryLoop<'p> {
         match self.back_off(cause).await {
             ControlFlow::Continue(()) => ControlFlow::Continue(()),
             ControlFlow::Break(exhausted) => self.done(Err(E::from(exhausted)), "exhausted"),
+        }
+    }
+
+    /// The end of a commit: the answer, or the cause to replay for.
+    #[allow(clippy::type_complexity)]
+    fn committed<T, E: FromIdemError>(
+        &self,
+        committed: Result<T, CommitFailure>,
+    ) -> ControlFlow<ControlFlow<Result<T, E>>, RetryCause> {
+        match committed {
+            Ok(value) => ControlFlow::Break(self.done(Ok(value), "committed")),
+            Err(CommitFailure::Failed(err))
+                if err.transient().is_some_and(|c| self.policy.replays(c)) =>
+            {
+                ControlFlow::Continue(err.transient().unwrap_or(RetryCause::SerializationFailure))
+            }
+            Err(failure) => ControlFlow::Break(self.commit_failed(failure)),
         }
     }
 

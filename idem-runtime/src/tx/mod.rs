@@ -37,6 +37,9 @@ use diesel_async::{
 use crate::pool::PooledConnection;
 use crate::retry::{own_timeout, Isolation, RetryCause, Transient};
 
+mod pipeline;
+pub(crate) use pipeline::{Closing, Pipelined};
+
 /// One open transaction. Dropping it while open (the caller's future was
 /// cancelled) cancels the statement the server may still run for it and
 /// closes the connection, so no connection goes back to the pool idle in a
@@ -49,7 +52,8 @@ pub(crate) struct Tx {
 
 /// How a `COMMIT` ended, when it did not commit for certain.
 #[derive(Debug)]
-pub(crate) enum CommitFailure {
+#[doc(hidden)]
+pub enum CommitFailure {
     /// The connection failed, or went silent, while `COMMIT` was in flight:
     /// the transaction may or may not have committed.
     Unknown,
@@ -131,26 +135,11 @@ impl Tx {
     }
 
     async fn start(
-        mut conn: PooledConnection,
+        conn: PooledConnection,
         isolation: Isolation,
         timeouts: Option<Timeouts>,
     ) -> Result<Tx, BeginFailure> {
-        let watch = Arc::new(Mutex::new(WatchState {
-            timeouts,
-            ..WatchState::default()
-        }));
-        AsyncConnection::set_instrumentation(
-            &mut *conn,
-            Watch {
-                state: Arc::clone(&watch),
-                inner: diesel::connection::get_default_instrumentation(),
-            },
-        );
-        let mut tx = Tx {
-            conn: Some(conn),
-            open: false,
-            watch,
-        };
+        let mut tx = Tx::watched(conn, timeouts);
         let sql = match timeouts {
             Some(timeouts) => Cow::Owned(timeouts.begin_sql(isolation)),
             None => Cow::Borrowed(isolation.begin_sql()),
@@ -165,6 +154,36 @@ impl Tx {
                 Err(BeginFailure(err))
             }
         }
+    }
+
+    /// A transaction not begun yet on `conn`, whose statements the watch
+    /// sees from now on.
+    fn watched(mut conn: PooledConnection, timeouts: Option<Timeouts>) -> Tx {
+        let watch = Arc::new(Mutex::new(WatchState {
+            timeouts,
+            ..WatchState::default()
+        }));
+        AsyncConnection::set_instrumentation(
+            &mut *conn,
+            Watch {
+                state: Arc::clone(&watch),
+                inner: diesel::connection::get_default_instrumentation(),
+            },
+        );
+        Tx {
+            conn: Some(conn),
+            open: false,
+            watch,
+        }
+    }
+
+    /// How long the server lets each statement of this transaction run.
+    fn statement_bound(&self) -> Option<Duration> {
+        self.watch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .timeouts
+            .map(Timeouts::statement)
     }
 
     /// The connection the transaction runs on.
