@@ -13,6 +13,8 @@
 //! transaction. [`Pooler::TransactionPooling`] sets the pool up for that; its
 //! documentation says what it changes and what that costs.
 
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use diesel::connection::CacheSize;
@@ -132,12 +134,49 @@ pub fn build_pool_with(database_url: &str, config: &PoolConfig) -> Result<Pool, 
     let pooler = config.pooler;
     manager_config.custom_setup = Box::new(move |url| Box::pin(establish(url.to_owned(), pooler)));
     let manager = AsyncDieselConnectionManager::new_with_config(database_url, manager_config);
-    Pool::builder(manager)
+    let pool = Pool::builder(manager)
         .max_size(config.max_size)
         .wait_timeout(Some(config.wait_timeout))
         .create_timeout(Some(config.wait_timeout))
         .runtime(deadpool_runtime())
-        .build()
+        .build()?;
+    if pooler == Pooler::TransactionPooling {
+        transaction_pooled()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(pool_id(&pool));
+    }
+    Ok(pool)
+}
+
+/// The pools [`build_pool_with`] set up for [`Pooler::TransactionPooling`],
+/// by [`pool_id`]. Behind such a pooler a transaction must not end with a
+/// statement still to be closed (see [`behind_transaction_pooler`]); nothing
+/// on a pool tells its settings back, so they are remembered here. An id
+/// reused by a later pool (the first one was dropped) only costs that pool
+/// the pipelined `COMMIT`.
+fn transaction_pooled() -> &'static Mutex<HashSet<usize>> {
+    static POOLS: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
+    POOLS.get_or_init(Default::default)
+}
+
+/// A pool's identity for as long as it lives: the address of its manager,
+/// which deadpool keeps behind the pool's shared state.
+fn pool_id(pool: &Pool) -> usize {
+    std::ptr::from_ref(pool.manager()) as usize
+}
+
+/// Whether `pool` was built for a transaction pooler. Its connections keep
+/// no prepared statement: each statement is prepared and closed around its
+/// run, and a close sent after `COMMIT` could reach another server
+/// connection than the one holding the statement, which then stays there
+/// (`prepared statement "s12" already exists` for the next client). So a
+/// transaction's last statement there is not pipelined with its `COMMIT`.
+pub(crate) fn behind_transaction_pooler(pool: &Pool) -> bool {
+    transaction_pooled()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(&pool_id(pool))
 }
 
 fn deadpool_runtime() -> deadpool::Runtime {

@@ -161,3 +161,123 @@ async fn a_takeover_whose_expired_record_was_taken_meanwhile_rolls_back() {
         "one row per key, whatever happened to it"
     );
 }
+
+/// Writes an effect: the plainest local call.
+#[idempotent(key = key, scope = none, fingerprint(n))]
+async fn plain(conn: &mut AsyncPgConnection, key: &str, n: i64) -> Result<i64, AppError> {
+    insert_effect(conn, "plain", n).await
+}
+
+/// Behind a transaction pooler (`IDEM_TEST_VIA=pgbouncer`) each statement is
+/// prepared and closed around its run; a close sent after `COMMIT` reaches
+/// whichever server connection the pooler picks next, and the statement it
+/// meant stays on the first one, where another client's statement of the
+/// same name then fails (`prepared statement "s12" already exists`; names
+/// repeat across processes only, so this test looks for the statements left
+/// behind instead). A PgBouncer of this test's own, with two server
+/// connections for sixteen clients, makes that pick land elsewhere; then two
+/// transactions held open at once, one on each server connection, list what
+/// is prepared there. (Directly, a plain concurrency check.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_local_calls_leave_no_statement_behind_their_commit() {
+    use idem_testing::pgbouncer::{PgBouncer, PgBouncerSettings};
+    let env = env(2).await;
+    let mut bouncer = None;
+    let pool = if env.db.via().is_transaction_pooling() {
+        let url = env.db.url().to_owned();
+        let settings = PgBouncerSettings {
+            pool_size: 2,
+            ..PgBouncerSettings::default()
+        };
+        let started = tokio::task::spawn_blocking(move || PgBouncer::start_with(&url, &settings))
+            .await
+            .expect("no panic")
+            .expect("a PgBouncer of the test's own");
+        let url = started.url_for(env.db.url()).expect("its url");
+        bouncer = Some(started);
+        build_pool_with(
+            &url,
+            &PoolConfig {
+                max_size: 16,
+                wait_timeout: Duration::from_secs(60),
+                pooler: Pooler::TransactionPooling,
+            },
+        )
+        .expect("a pool through it")
+    } else {
+        pool_of(&env.db, 16)
+    };
+    let tasks: Vec<_> = (0..16)
+        .map(|caller| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let mut failures = Vec::new();
+                for i in 0..50 {
+                    let key = format!("plain-{caller}-{i}");
+                    if let Err(e) = plain(&pool, &key, i).await {
+                        failures.push(format!("{key}: {e}"));
+                    }
+                }
+                failures
+            })
+        })
+        .collect();
+    let mut failures = Vec::new();
+    for task in tasks {
+        failures.extend(task.await.expect("no panic"));
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failed: {failures:?}",
+        failures.len()
+    );
+    assert_eq!(env.effects("plain").await, 800);
+    drop(pool);
+    let Some(bouncer) = bouncer else { return };
+    let url = bouncer.url_for(env.db.url()).expect("its url");
+    let mut left = Vec::new();
+    let mut probes = Vec::new();
+    for _ in 0..2 {
+        let client = side_connection(&url).await;
+        client.batch_execute("BEGIN").await.expect("a transaction");
+        let rows = client
+            .query(
+                "SELECT statement FROM pg_prepared_statements \
+                 WHERE statement NOT LIKE '%pg_prepared_statements%'",
+                &[],
+            )
+            .await
+            .expect("list what is prepared");
+        left.extend(rows.iter().map(|row| row.get::<_, String>(0)));
+        // Held open, so the next probe gets the other server connection.
+        probes.push(client);
+    }
+    assert!(
+        left.is_empty(),
+        "{} statements outlived their transaction: {left:?}",
+        left.len()
+    );
+    drop(probes);
+    drop(bouncer);
+}
+
+/// Writes an effect, then swallows the error of a statement that failed.
+#[idempotent(key = key, scope = none, fingerprint(n))]
+async fn swallowing(conn: &mut AsyncPgConnection, key: &str, n: i64) -> Result<i64, AppError> {
+    let id = insert_effect(conn, "swallowing", n).await?;
+    let failed = diesel::sql_query("SELECT 1 / 0").execute(conn).await;
+    assert!(failed.is_err(), "division by zero fails");
+    Ok(id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swallowed_failure_sends_no_record_and_commits_nothing() {
+    let env = env(2).await;
+    let result = swallowing(&env.pool, "swallowed", 1).await;
+    assert!(
+        matches!(result, Err(AppError::Idem(idem::Error::RolledBack))),
+        "{result:?}"
+    );
+    assert_eq!(env.effects("swallowing").await, 0, "rolled back");
+    assert_eq!(env.record("swallowed").await, None, "no record was sent");
+}

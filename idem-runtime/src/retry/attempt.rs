@@ -23,7 +23,7 @@ use deadpool::managed::{PoolError, TimeoutType};
 use super::{Isolation, RetryCause, Transient};
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::pool::PooledConnection;
+use crate::pool::{behind_transaction_pooler, PooledConnection};
 use crate::tx::{BeginFailure, Closing, CommitFailure, Pipelined, Timeouts, Tx};
 
 /// How an attempt begins its transaction.
@@ -55,6 +55,8 @@ pub struct Attempt {
     tx: Option<Tx>,
     /// How long its `COMMIT` (or `ROLLBACK`) may take to be answered.
     commit_timeout: Duration,
+    /// Its pool sits behind a transaction pooler: no pipelined `COMMIT`.
+    transaction_pooled: bool,
     /// `Begin::OnFirstUse`: where and how to begin.
     lazy: Option<Lazy>,
     /// A lost connection met while beginning on first use: nothing of the
@@ -63,10 +65,11 @@ pub struct Attempt {
 }
 
 impl Attempt {
-    pub(crate) fn begun(tx: Tx, commit_timeout: Duration) -> Attempt {
+    pub(crate) fn begun(tx: Tx, pool: &Pool, commit_timeout: Duration) -> Attempt {
         Attempt {
             tx: Some(tx),
             commit_timeout,
+            transaction_pooled: behind_transaction_pooler(pool),
             lazy: None,
             lost_at_begin: false,
         }
@@ -84,6 +87,7 @@ impl Attempt {
         Attempt {
             tx: None,
             commit_timeout,
+            transaction_pooled: behind_transaction_pooler(&pool),
             lazy: Some(Lazy {
                 pool,
                 isolation,
@@ -135,7 +139,8 @@ impl Attempt {
             .await
     }
 
-    /// Commit with `last` sent ahead of `COMMIT`, in one round trip.
+    /// Commit with `last` sent ahead of `COMMIT`, in one round trip (one
+    /// after the other behind a transaction pooler).
     ///
     /// # Panics
     /// On an attempt whose transaction was never opened.
@@ -144,11 +149,15 @@ impl Attempt {
         last: &P,
     ) -> Result<P::Output, Closing> {
         let timeout = self.commit_timeout;
-        self.tx
+        let tx = self
+            .tx
             .as_mut()
-            .expect("an attempt commits behind a statement only once open")
-            .commit_behind(timeout, last)
-            .await
+            .expect("an attempt commits behind a statement only once open");
+        if self.transaction_pooled {
+            tx.commit_after(timeout, last).await
+        } else {
+            tx.commit_behind(timeout, last).await
+        }
     }
 
     fn lazy_isolation(&self) -> Isolation {

@@ -282,7 +282,7 @@ impl<'p> RetryLoop<'p> {
                 .instrument(self.span.clone())
                 .await
             {
-                Ok(tx) => return Ok(Attempt::begun(tx, self.policy.commit_timeout)),
+                Ok(tx) => return Ok(Attempt::begun(tx, self.pool, self.policy.commit_timeout)),
                 // A connection that broke while idle in the pool: nothing ran
                 // yet, so another connection is always safe to try. A pool
                 // whose connections all went stale at once (a restarted

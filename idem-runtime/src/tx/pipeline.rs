@@ -71,7 +71,9 @@ pub(crate) trait Pipelined {
 /// when it did not commit.
 #[derive(Debug)]
 pub(crate) enum Closing {
-    /// The last statement failed: nothing was committed.
+    /// The last statement failed: nothing was committed. The transaction
+    /// may still be open (aborted), for its owner to roll back once it has
+    /// read the failure's cause.
     Failed(DieselError),
     /// The statement was answered, the `COMMIT` was not committed for
     /// certain (as [`Tx::commit`]); `Unknown` also when the connection
@@ -158,10 +160,7 @@ impl Tx {
         timeout: Duration,
         last: &P,
     ) -> Result<P::Output, Closing> {
-        if self.watch_failed() {
-            self.roll_back(timeout).await;
-            return Err(Closing::Commit(CommitFailure::RolledBack));
-        }
+        self.refuse_if_failed(timeout).await?;
         let bound = timeout + self.statement_bound().unwrap_or(timeout);
         let (answered, committed) = {
             let shared: &AsyncPgConnection = self.conn();
@@ -192,10 +191,9 @@ impl Tx {
                         .await
                         .map(|()| output)
                         .map_err(Closing::Commit),
-                    Some(Err(err)) => {
-                        self.roll_back(timeout).await;
-                        Err(Closing::Failed(err))
-                    }
+                    // Not sent: the transaction is open, for the loop to
+                    // roll back (after reading the watch, which that clears).
+                    Some(Err(err)) => Err(Closing::Failed(err)),
                     None => unreachable!("an early answer is Some"),
                 };
             }
@@ -231,6 +229,39 @@ impl Tx {
                 Err(Closing::Commit(CommitFailure::Unknown))
             }
         }
+    }
+
+    /// What [`Tx::commit_behind`] does, one statement after the other:
+    /// `last`, answered, then `COMMIT` as a simple query. Behind a
+    /// transaction pooler, where each statement is closed after its run, so
+    /// that `last`'s close goes out before `COMMIT` (see
+    /// [`behind_transaction_pooler`](crate::pool::behind_transaction_pooler)).
+    pub(crate) async fn commit_after<P: Pipelined>(
+        &mut self,
+        timeout: Duration,
+        last: &P,
+    ) -> Result<P::Output, Closing> {
+        self.refuse_if_failed(timeout).await?;
+        match last.send(self.conn()).await {
+            Ok(output) => self
+                .commit(timeout)
+                .await
+                .map(|()| output)
+                .map_err(Closing::Commit),
+            // Left open (aborted) for the loop to roll back once it has
+            // read the failure off the watch (a rollback clears it).
+            Err(err) => Err(Closing::Failed(err)),
+        }
+    }
+
+    /// A statement of the transaction failed and its error was ignored:
+    /// roll back, as [`Tx::commit`] does, rather than send anything more.
+    async fn refuse_if_failed(&mut self, timeout: Duration) -> Result<(), Closing> {
+        if self.watch_failed() {
+            self.roll_back(timeout).await;
+            return Err(Closing::Commit(CommitFailure::RolledBack));
+        }
+        Ok(())
     }
 
     /// The pipelined COMMIT was answered: the transaction ended on the
