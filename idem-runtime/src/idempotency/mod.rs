@@ -5,13 +5,14 @@
 //!
 //! * **local mode** (every effect is in this database): body and stored
 //!   response commit in one transaction, and the record is written once, as
-//!   a completed row, just before `COMMIT`. Duplicates are serialized by a
-//!   transaction-level advisory lock on a 64-bit hash of (scope, key), taken
-//!   before the record is read: a concurrent duplicate waits for the winner
+//!   a completed row, in the round trip of `COMMIT` (pipelined with it).
+//!   Duplicates are serialized by a transaction-level advisory lock on a
+//!   64-bit hash of (scope, key), taken before the record is read, both in
+//!   the round trip of `BEGIN`: a concurrent duplicate waits for the winner
 //!   and, once it committed, reads and replays its record (READ COMMITTED:
 //!   the read is a later statement; under REPEATABLE READ or SERIALIZABLE the
-//!   record is invisible to the snapshot, so the insert fails with a
-//!   serialization failure and the replayed attempt reads it). Two keys whose
+//!   record is invisible to the snapshot, so the insert fails, the `COMMIT`
+//!   behind it rolls back, and the replayed attempt reads it). Two keys whose
 //!   hashes collide only wait for each other. A body that fails writes
 //!   nothing, so a retry really runs again; a *final* error (declined,
 //!   insufficient funds) is stored instead: its attempt is rolled back and
