@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# What the SQL of local mode costs on this machine, with no client library:
+# pgbench runs the bare handler and the idempotent variants interleaved in
+# one run (-M prepared; pipeline mode where idem pipelines), and this prints
+# each one's median latency and its ratio to the bare handler.
+#
+#   examples/pgbench/run.sh [URL] [-c CLIENTS] [-T SECONDS]
+#
+# URL: a server to create a scratch database on (default
+# postgres://postgres@127.0.0.1:5432/postgres). The database gets idem's
+# migrations (the SQL files of idem-runtime/migrations) and the tables of
+# examples/bench_idempotent, and is dropped at the end.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+url="postgres://postgres@127.0.0.1:5432/postgres"
+clients=1
+seconds=40
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -c) clients="$2"; shift 2 ;;
+        -T) seconds="$2"; shift 2 ;;
+        *) url="$1"; shift ;;
+    esac
+done
+db="idem_pgbench_$$"
+work="$(mktemp -d)"
+cleanup() {
+    psql -q "$url" -c "DROP DATABASE IF EXISTS $db" >/dev/null 2>&1 || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+psql -q "$url" -c "CREATE DATABASE $db"
+scratch="${url%/*}/$db"
+for migration in "$here"/../../idem-runtime/migrations/*.sql; do
+    psql -q -v ON_ERROR_STOP=1 "$scratch" -f "$migration" >/dev/null
+done
+psql -q -v ON_ERROR_STOP=1 "$scratch" -f "$here/schema.sql"
+names=(bare idem_pipelined record_only sequential)
+args=()
+for name in "${names[@]}"; do args+=(-f "$here/$name.sql@1"); done
+pgbench -M prepared -n -c "$clients" -j 1 -T "$seconds" -l --log-prefix="$work/log" "${args[@]}" "$scratch" >/dev/null
+# Per-transaction log lines: client, transaction, latency (us), script, ...
+median() {
+    awk -v s="$1" '$4 == s { print $3 }' "$work"/log* | sort -n |
+        awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+bare="$(median 0)"
+line="clients=$clients"
+for s in "${!names[@]}"; do
+    m="$(median "$s")"
+    line="$line $(awk -v n="${names[$s]}" -v m="$m" -v b="$bare" 'BEGIN { printf "%s_us=%.0f %s_ratio=%.2f", n, m, n, m / b }')"
+done
+echo "$line"
