@@ -6,9 +6,10 @@
 //! * local mode: the attempt's transaction queues on the advisory lock of
 //!   (scope, key) and reads the record in the round trip of its `BEGIN`
 //!   (pipelined); a new request runs the body and inserts its completed
-//!   record, its one write, in the round trip of its `COMMIT`. A replay answers from the read and ends its
-//!   transaction in the background. A final error rolls the attempt back and
-//!   the next attempt stores it, without the body's writes.
+//!   record, its one write, in the round trip of its `COMMIT`. A replay
+//!   answers from the read and ends its transaction in the background. A
+//!   final error rolls the attempt back and the next attempt stores it,
+//!   without the body's writes.
 //! * external mode: the first attempt commits the claim, with this call's
 //!   owner token; the next ones run the body and record its outcome in the
 //!   body's transaction. A claim whose commit went unanswered is found again

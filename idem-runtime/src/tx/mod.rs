@@ -8,11 +8,14 @@
 //! transaction was abandoned. The retry loop above it only decides whether to
 //! go again; a second backend would plug in at this module.
 //!
-//! Only diesel-async's supported hooks are used: `begin_transaction_sql`,
+//! The plain path uses diesel-async's supported hooks: `begin_transaction_sql`,
 //! `commit_transaction` and `rollback_transaction` keep diesel's own
 //! transaction depth right (so a `conn.transaction(..)` inside a body becomes
 //! a savepoint), and a per-transaction [`Instrumentation`] sees every
-//! statement that failed. PostgreSQL answers `COMMIT` in a transaction whose
+//! statement that failed. The pipelined path ([`pipeline`]: statements sent
+//! with `BEGIN` and with `COMMIT`) keeps the same depth through the API
+//! diesel opens to connection implementations, as diesel-async's own manager
+//! does. PostgreSQL answers `COMMIT` in a transaction whose
 //! statement failed with a silent `ROLLBACK`; the watch is how a body that
 //! swallowed such an error is caught before `COMMIT` is sent.
 //!
