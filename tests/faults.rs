@@ -198,6 +198,35 @@ async fn a_lost_commit_answer_is_commit_unknown_and_the_key_tells_what_happened(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_lost_on_its_way_with_its_commit_is_commit_unknown_and_the_key_runs_once() {
+    let env = env(2).await;
+    // Local mode sends its record with its COMMIT: cut before either reaches
+    // the server, nothing committed, but the caller cannot know that.
+    env.proxy.arm(RECORD, Fault::CutBefore);
+    let result = write_once(&env.pool, "lost-record", "lost").await;
+    assert!(
+        matches!(
+            result,
+            Err(AppError::Idem(idem::Error::CommitUnknown { .. }))
+        ),
+        "{result:?}"
+    );
+    assert_eq!(env.proxy.fired(), 1);
+    assert_eq!(env.effects("lost").await, 0, "nothing reached the server");
+    assert_eq!(env.record("lost-record").await, None);
+    // The same key then runs, once.
+    let again = write_once(&env.pool, "lost-record", "lost")
+        .await
+        .expect("the key is new");
+    assert!(!again.replayed);
+    assert_eq!(env.effects("lost").await, 1);
+    assert_eq!(
+        env.record("lost-record").await,
+        Some(("completed".to_owned(), Some("ok".to_owned())))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_final_error_is_stored_through_a_dropped_connection_and_answered_as_itself() {
     let env = env(2).await;
     // The attempt that stores the decline loses its connection before the
