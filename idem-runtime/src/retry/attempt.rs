@@ -55,8 +55,6 @@ pub struct Attempt {
     tx: Option<Tx>,
     /// How long its `COMMIT` (or `ROLLBACK`) may take to be answered.
     commit_timeout: Duration,
-    /// Its pool sits behind a transaction pooler: no pipelined `COMMIT`.
-    transaction_pooled: bool,
     /// `Begin::OnFirstUse`: where and how to begin.
     lazy: Option<Lazy>,
     /// A lost connection met while beginning on first use: nothing of the
@@ -65,11 +63,10 @@ pub struct Attempt {
 }
 
 impl Attempt {
-    pub(crate) fn begun(tx: Tx, pool: &Pool, commit_timeout: Duration) -> Attempt {
+    pub(crate) fn begun(tx: Tx, commit_timeout: Duration) -> Attempt {
         Attempt {
             tx: Some(tx),
             commit_timeout,
-            transaction_pooled: behind_transaction_pooler(pool),
             lazy: None,
             lost_at_begin: false,
         }
@@ -87,7 +84,6 @@ impl Attempt {
         Attempt {
             tx: None,
             commit_timeout,
-            transaction_pooled: behind_transaction_pooler(&pool),
             lazy: Some(Lazy {
                 pool,
                 isolation,
@@ -139,8 +135,11 @@ impl Attempt {
             .await
     }
 
-    /// Commit with `last` sent ahead of `COMMIT`, in one round trip (one
-    /// after the other behind a transaction pooler).
+    /// Commit with `last` sent ahead of `COMMIT`, in one round trip; one
+    /// after the other behind a transaction pooler, and on an attempt that
+    /// did not begin on first use (only those know their pool, and the
+    /// sequential close is right everywhere). The pooler is looked up here,
+    /// not per attempt: only this close needs it.
     ///
     /// # Panics
     /// On an attempt whose transaction was never opened.
@@ -148,15 +147,19 @@ impl Attempt {
         &mut self,
         last: &P,
     ) -> Result<P::Output, Closing> {
+        let pipelined = self
+            .lazy
+            .as_ref()
+            .is_some_and(|lazy| !behind_transaction_pooler(&lazy.pool));
         let timeout = self.commit_timeout;
         let tx = self
             .tx
             .as_mut()
             .expect("an attempt commits behind a statement only once open");
-        if self.transaction_pooled {
-            tx.commit_after(timeout, last).await
-        } else {
+        if pipelined {
             tx.commit_behind(timeout, last).await
+        } else {
+            tx.commit_after(timeout, last).await
         }
     }
 
@@ -224,26 +227,25 @@ impl Attempt {
         }
     }
 
-    pub(crate) async fn commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
-        debug_assert_eq!(timeout, self.commit_timeout);
+    pub(crate) async fn commit(&mut self) -> Result<(), CommitFailure> {
         match self.tx.as_mut() {
-            Some(tx) => tx.commit(timeout).await,
+            Some(tx) => tx.commit(self.commit_timeout).await,
             // Nothing began, nothing to commit.
             None => Ok(()),
         }
     }
 
     /// Roll back; true when the connection turned out to be lost.
-    pub(crate) async fn roll_back(&mut self, timeout: Duration) -> bool {
+    pub(crate) async fn roll_back(&mut self) -> bool {
         match self.tx.as_mut() {
-            Some(tx) => tx.roll_back(timeout).await,
+            Some(tx) => tx.roll_back(self.commit_timeout).await,
             None => false,
         }
     }
 
-    pub(crate) fn end_in_background(self, timeout: Duration) {
+    pub(crate) fn end_in_background(self) {
         if let Some(tx) = self.tx {
-            tx.end_in_background(timeout);
+            tx.end_in_background(self.commit_timeout);
         }
     }
 }

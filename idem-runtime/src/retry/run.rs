@@ -282,7 +282,7 @@ impl<'p> RetryLoop<'p> {
                 .instrument(self.span.clone())
                 .await
             {
-                Ok(tx) => return Ok(Attempt::begun(tx, self.pool, self.policy.commit_timeout)),
+                Ok(tx) => return Ok(Attempt::begun(tx, self.policy.commit_timeout)),
                 // A connection that broke while idle in the pool: nothing ran
                 // yet, so another connection is always safe to try. A pool
                 // whose connections all went stale at once (a restarted
@@ -341,14 +341,13 @@ impl<'p> RetryLoop<'p> {
     where
         E: FromIdemError,
     {
-        let timeout = self.policy.commit_timeout;
         let cause = match result {
             Ok(Step::Answer(value)) => {
-                attempt.end_in_background(timeout);
+                attempt.end_in_background();
                 return self.done(Ok(value), "answered");
             }
             Ok(Step::Again(after)) => {
-                attempt.roll_back(timeout).await;
+                attempt.roll_back().await;
                 // Not a failure: the attempt is not charged to the budget. A
                 // wait (`after` > 0) is bounded by whoever asks for it; an
                 // immediate repeat is bounded here, so no condition that
@@ -367,7 +366,7 @@ impl<'p> RetryLoop<'p> {
                 RetryCause::SerializationFailure
             }
             Ok(Step::CommitAndContinue) => {
-                match attempt.commit(timeout).instrument(self.span.clone()).await {
+                match attempt.commit().instrument(self.span.clone()).await {
                     Ok(()) => {
                         self.attempts -= 1;
                         self.uncharged += self.attempt_started.elapsed();
@@ -381,7 +380,7 @@ impl<'p> RetryLoop<'p> {
                 }
             }
             Ok(Step::Commit(value)) => {
-                let committed = attempt.commit(timeout).instrument(self.span.clone()).await;
+                let committed = attempt.commit().instrument(self.span.clone()).await;
                 match self.committed(committed.map(|()| value)) {
                     ControlFlow::Break(outcome) => return outcome,
                     ControlFlow::Continue(cause) => cause,
@@ -396,10 +395,7 @@ impl<'p> RetryLoop<'p> {
                 // chose to return: a dead transaction is replayed whatever
                 // the body made of its error.
                 let observed = attempt.failure_cause().or_else(|| self.conflict.take());
-                let lost = attempt
-                    .roll_back(timeout)
-                    .instrument(self.span.clone())
-                    .await;
+                let lost = attempt.roll_back().instrument(self.span.clone()).await;
                 let observed = observed.or(lost.then_some(RetryCause::ConnectionLost));
                 match observed {
                     Some(cause) if self.policy.replays(cause) => cause,

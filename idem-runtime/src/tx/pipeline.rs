@@ -167,36 +167,27 @@ impl Tx {
             let mut statement = last.send(shared);
             // A statement that cannot be sent fails here, before COMMIT exists.
             let early = poll_fn(|cx| Poll::Ready(statement.as_mut().poll(cx))).await;
-            match early {
-                Poll::Ready(Err(err)) => (Some(Err(err)), None),
-                Poll::Ready(Ok(output)) => (Some(Ok(output)), None),
-                Poll::Pending => {
-                    let mut commit_on = shared;
-                    let (answered, committed) = join(
-                        tokio::time::timeout(bound, statement),
-                        tokio::time::timeout(bound, Commit.execute(&mut commit_on)),
-                    )
-                    .await;
-                    (answered.ok(), Some(committed.ok()))
-                }
-            }
-        };
-        let committed = match committed {
-            Some(committed) => committed,
-            // Answered (or failed) at once: COMMIT was not sent.
-            None => {
+            if let Poll::Ready(answered) = early {
+                drop(statement);
                 return match answered {
-                    Some(Ok(output)) => self
+                    // Answered at once: COMMIT was not sent yet.
+                    Ok(output) => self
                         .commit(timeout)
                         .await
                         .map(|()| output)
                         .map_err(Closing::Commit),
                     // Not sent: the transaction is open, for the loop to
                     // roll back (after reading the watch, which that clears).
-                    Some(Err(err)) => Err(Closing::Failed(err)),
-                    None => unreachable!("an early answer is Some"),
+                    Err(err) => Err(Closing::Failed(err)),
                 };
             }
+            let mut commit_on = shared;
+            let (answered, committed) = join(
+                tokio::time::timeout(bound, statement),
+                tokio::time::timeout(bound, Commit.execute(&mut commit_on)),
+            )
+            .await;
+            (answered.ok(), committed.ok())
         };
         match (answered, committed) {
             (Some(Ok(output)), Some(Ok(_))) => {
