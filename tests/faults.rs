@@ -198,32 +198,29 @@ async fn a_lost_commit_answer_is_commit_unknown_and_the_key_tells_what_happened(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_lost_on_its_way_with_its_commit_is_commit_unknown_and_the_key_runs_once() {
+async fn a_record_lost_on_its_way_is_replayed_and_the_key_runs_once() {
     let env = env(2).await;
-    // Local mode sends its record with its COMMIT: cut before either reaches
-    // the server, nothing committed, but the caller cannot know that.
+    // Local mode sends its record, then its COMMIT once the record is
+    // answered: cut before the record reaches the server, nothing was
+    // committed and the loop knows it (no COMMIT was sent), so the attempt is
+    // replayed on a fresh connection and commits, once.
     env.proxy.arm(RECORD, Fault::CutBefore);
-    let result = write_once(&env.pool, "lost-record", "lost").await;
-    assert!(
-        matches!(
-            result,
-            Err(AppError::Idem(idem::Error::CommitUnknown { .. }))
-        ),
-        "{result:?}"
-    );
-    assert_eq!(env.proxy.fired(), 1);
-    assert_eq!(env.effects("lost").await, 0, "nothing reached the server");
-    assert_eq!(env.record("lost-record").await, None);
-    // The same key then runs, once.
-    let again = write_once(&env.pool, "lost-record", "lost")
+    let result = write_once(&env.pool, "lost-record", "lost")
         .await
-        .expect("the key is new");
-    assert!(!again.replayed);
-    assert_eq!(env.effects("lost").await, 1);
+        .expect("replayed on a fresh connection");
+    assert!(!result.replayed);
+    assert_eq!(env.proxy.fired(), 1);
+    assert_eq!(env.effects("lost").await, 1, "one effect, once");
     assert_eq!(
         env.record("lost-record").await,
         Some(("completed".to_owned(), Some("ok".to_owned())))
     );
+    // The same key again is a replay.
+    let again = write_once(&env.pool, "lost-record", "lost")
+        .await
+        .expect("a replay");
+    assert!(again.replayed);
+    assert_eq!(env.effects("lost").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

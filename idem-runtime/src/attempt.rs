@@ -29,10 +29,10 @@ pub(crate) struct ReadSet(Arc<Mutex<Vec<(RowId, i64)>>>);
 
 impl ConflictSlot {
     /// The conflict met since the last take, if any.
-    pub(crate) fn take(&self) -> Option<crate::retry::RetryCause> {
+    pub(crate) fn take(&self) -> Option<crate::cause::RetryCause> {
         self.0
             .swap(false, Ordering::AcqRel)
-            .then_some(crate::retry::RetryCause::Stale)
+            .then_some(crate::cause::RetryCause::Stale)
     }
 }
 

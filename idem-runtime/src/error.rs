@@ -22,7 +22,7 @@
 
 use std::time::Duration;
 
-use crate::retry::RetryCause;
+use crate::cause::{RetryCause, Transient};
 
 /// idem's own failures. `idem::http` (feature `axum`) answers each with
 /// the status its one table gives it.
@@ -66,7 +66,7 @@ pub enum Error {
     Begin(#[source] diesel::result::Error),
     /// No connection could be checked out of the pool in time.
     #[error("could not check out a connection: {0}")]
-    Pool(#[from] diesel_async::pooled_connection::deadpool::PoolError),
+    Pool(#[from] crate::pool::PoolError),
     /// A retryable function was called from inside another one's attempt. Its
     /// loop would commit on its own connection, outside the caller's
     /// transaction, and be replayed with it: call the inner function's body
@@ -93,7 +93,7 @@ pub enum Error {
     InProgress,
     /// The first request may have reached an outside system and its outcome is
     /// not known here; it is not retried (until [`settle`](crate::idempotency::settle)d).
-    #[error("{}", crate::idempotency::OUTCOME_UNKNOWN_MESSAGE)]
+    #[error("{}", OUTCOME_UNKNOWN_MESSAGE)]
     OutcomeUnknown,
     /// A fingerprint field, the scope or the response could not be serialized;
     /// nothing was written.
@@ -127,6 +127,10 @@ pub enum Error {
     Database(#[from] diesel::result::Error),
 }
 
+/// The message every caller of a key with an unknown outcome gets.
+pub const OUTCOME_UNKNOWN_MESSAGE: &str =
+    "the request may have reached the target system; its outcome is decided there; not retried";
+
 /// Why a response cannot be stored under its key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -151,7 +155,7 @@ pub enum Unstorable {
     },
 }
 
-impl crate::retry::Transient for Error {
+impl Transient for Error {
     fn transient(&self) -> Option<RetryCause> {
         match self {
             Error::Database(e) => e.transient(),

@@ -3,6 +3,7 @@
 //! re-exports everything here next to the macros.
 
 pub mod attempt;
+mod cause;
 mod error;
 pub mod idempotency;
 pub mod inbox;

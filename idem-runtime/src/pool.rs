@@ -1,10 +1,16 @@
 //! The connection pool every retry loop checks its attempts out of.
 //!
-//! A plain deadpool pool of [`AsyncPgConnection`]s, set up for what the retry
-//! loop relies on: a checkout rejects a connection that is closed or still in a
-//! transaction (deadpool's "fast" recycling, which costs no round trip), and each
-//! new connection asks the server for untranslated error messages so that a
-//! deadlock can be recognised (see [`crate::retry::RetryCause::Deadlock`]).
+//! A deadpool pool of diesel-async [`AsyncPgConnection`]s, each of which idem
+//! reads on the wire ([`wire`]): whatever diesel call a body runs a statement
+//! through, the server's own word on the transaction (a failed statement's
+//! SQLSTATE, a transaction left failed, a `COMMIT` answered `ROLLBACK`)
+//! reaches the transaction driver. A checkout rejects a connection that is
+//! closed, in a transaction, or still owed an answer (no round trip), and
+//! each new connection asks the server for untranslated error messages where
+//! it may (see [`crate::retry::Transient`]).
+//!
+//! The pool carries its settings ([`Pool::pooler`]), so the transaction
+//! driver knows what sits between it and PostgreSQL.
 //!
 //! # Behind a transaction pooler (PgBouncer)
 //!
@@ -12,31 +18,38 @@
 //! connection is free, so nothing tied to a server session may outlive a
 //! transaction. [`Pooler::TransactionPooling`] sets the pool up for that; its
 //! documentation says what it changes and what that costs.
+//!
+//! # What a URL may ask for
+//!
+//! idem's connections are plain TCP connections: a URL that asks for TLS
+//! (`sslmode=require`) is refused with [`BuildError::Tls`] rather than
+//! downgraded, and one that names a Unix socket directory with
+//! [`BuildError::UnixSocket`] (the wire is read through tokio-postgres's TLS
+//! hook, which it does not offer for Unix sockets). `sslmode=prefer`, the
+//! default, connects without TLS, as diesel-async's own `establish` does.
 
-use std::collections::HashSet;
-use std::sync::{Mutex, OnceLock};
+mod wire;
+
+use std::ops::{Deref, DerefMut};
+use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use diesel::connection::CacheSize;
 use diesel::ConnectionError;
-use diesel_async::pooled_connection::deadpool::{BuildError, Object};
-use diesel_async::pooled_connection::{
-    AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
-};
+use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use tokio_postgres::config::{Host, SslMode, SslNegotiation};
 
-/// The pool type idem's retry loop takes: deadpool over diesel-async.
-pub type Pool = diesel_async::pooled_connection::deadpool::Pool<AsyncPgConnection>;
-
-/// A connection checked out of a [`Pool`].
-pub type PooledConnection = Object<AsyncPgConnection>;
+pub(crate) use wire::{Refusal, Wire};
 
 /// Ask for the server's messages in the C locale, where the server lets us.
 ///
-/// diesel reports a deadlock (40P01) only by its message text, which the server
-/// translates to `lc_messages`. Non-superusers may not change `lc_messages`
-/// (unless granted `SET` on it, PostgreSQL 15+); the block then leaves it as it
-/// is, and [`crate::retry`] documents what that costs.
+/// The retry loop reads SQLSTATEs, not messages; [`crate::retry::Transient`],
+/// for code that classifies a diesel error by hand, reads the message of a
+/// deadlock (diesel reports no SQLSTATE for it), which the server translates
+/// to `lc_messages`. Non-superusers may not change `lc_messages` (unless
+/// granted `SET` on it, PostgreSQL 15+); the block then leaves it as it is.
 const UNTRANSLATED_MESSAGES: &str = "DO $$ BEGIN SET lc_messages TO 'C'; \
      EXCEPTION WHEN insufficient_privilege THEN NULL; END $$";
 
@@ -95,14 +108,10 @@ pub enum Pooler {
     ///   `docs/many-instances.md` has measured figures);
     /// * sets nothing for the session, since a session `SET` would stay on
     ///   whichever server connection ran it, for other clients to inherit.
-    ///   So idem does not ask for untranslated messages, and a deadlock
-    ///   (40P01, which diesel-async reports only by its text) is recognised,
-    ///   and replayed, only when the server answers in English: keep the
-    ///   server's `lc_messages` at `C` (or an English locale), or have the
-    ///   pooler set it on each server connection it opens (PgBouncer:
-    ///   `connect_query` in the database's entry, run as a role allowed to
-    ///   set `lc_messages`). Otherwise a deadlock is returned to the caller
-    ///   instead of being replayed, which is the safe direction.
+    ///   So idem does not ask for untranslated messages. The retry loop does
+    ///   not need them (it reads SQLSTATEs); [`crate::retry::Transient`] on a
+    ///   diesel error recognises a deadlock only when the server answers in
+    ///   English.
     ///
     /// The time zone and client encoding diesel-async sets on connect are
     /// parameters PgBouncer tracks and restores per client, so they stay.
@@ -113,6 +122,178 @@ pub enum Pooler {
     /// the pooler may send to different server connections (`prepared
     /// statement "s1" does not exist`).
     TransactionPooling,
+}
+
+/// Why a [`Pool`] could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The URL is not a PostgreSQL connection string.
+    #[error("invalid database URL: {0}")]
+    InvalidUrl(#[source] tokio_postgres::Error),
+    /// The URL asks for TLS (`sslmode=require`), which idem's connections
+    /// do not speak; refused rather than connecting without it.
+    #[error("the database URL asks for TLS (sslmode=require), which idem's pool does not speak; use sslmode=disable or prefer on a trusted network, or a TLS-terminating proxy")]
+    Tls,
+    /// The URL names a Unix socket directory; idem's connections are TCP.
+    #[error("the database URL names a Unix socket ({0}); idem's pool connects over TCP: give host=127.0.0.1 (or the server's address) instead")]
+    UnixSocket(String),
+    /// deadpool refused the settings.
+    #[error(transparent)]
+    Pool(#[from] deadpool::managed::BuildError),
+}
+
+/// A checkout that failed: no connection in time, or none could be made.
+pub type PoolError = deadpool::managed::PoolError<ConnectionError>;
+
+/// A pool of connections to PostgreSQL (cheap to clone: clones share it).
+/// Build one with [`build_pool`] or [`build_pool_with`].
+#[derive(Clone)]
+pub struct Pool {
+    inner: deadpool::managed::Pool<Manager>,
+    pooler: Pooler,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("status", &self.inner.status())
+            .field("pooler", &self.pooler)
+            .finish()
+    }
+}
+
+impl Pool {
+    /// Check a connection out, waiting up to the pool's wait timeout.
+    pub async fn get(&self) -> Result<PooledConnection, PoolError> {
+        self.inner.get().await
+    }
+
+    /// How many connections the pool holds, and may hold.
+    pub fn status(&self) -> deadpool::Status {
+        self.inner.status()
+    }
+
+    /// What the pool's URL reaches.
+    pub fn pooler(&self) -> Pooler {
+        self.pooler
+    }
+}
+
+/// A connection checked out of a [`Pool`]; it dereferences to an
+/// [`AsyncPgConnection`] (through [`Connection`]), and diesel-async runs
+/// queries on it directly. Dropped, it goes back to the pool.
+pub type PooledConnection = deadpool::managed::Object<Manager>;
+
+/// One of a [`Pool`]'s connections: an [`AsyncPgConnection`], which it
+/// dereferences to, and what the server has said on it.
+pub struct Connection {
+    conn: AsyncPgConnection,
+    wire: Arc<Wire>,
+}
+
+impl Connection {
+    /// What the server has said on this connection.
+    pub(crate) fn wire(&self) -> &Wire {
+        &self.wire
+    }
+}
+
+impl Deref for Connection {
+    type Target = AsyncPgConnection;
+    fn deref(&self) -> &AsyncPgConnection {
+        &self.conn
+    }
+}
+
+impl DerefMut for Connection {
+    fn deref_mut(&mut self) -> &mut AsyncPgConnection {
+        &mut self.conn
+    }
+}
+
+/// Makes and recycles a [`Pool`]'s connections (deadpool's manager).
+pub struct Manager {
+    config: tokio_postgres::Config,
+    pooler: Pooler,
+}
+
+impl deadpool::managed::Manager for Manager {
+    type Type = Connection;
+    type Error = ConnectionError;
+
+    async fn create(&self) -> Result<Connection, ConnectionError> {
+        let wire = Arc::new(Wire::default());
+        let observe = wire::Observe(Arc::clone(&wire));
+        let driver_error = |e: tokio_postgres::Error| {
+            ConnectionError::BadConnection(format!("could not connect: {e}"))
+        };
+        let (client, mut connection) = self.config.connect(observe).await.map_err(driver_error)?;
+        let conn = match self.pooler {
+            Pooler::Direct => {
+                let mut conn =
+                    AsyncPgConnection::try_from_client_and_connection(client, connection).await?;
+                conn.batch_execute(UNTRANSLATED_MESSAGES)
+                    .await
+                    .map_err(ConnectionError::CouldntSetupConfiguration)?;
+                conn
+            }
+            // diesel-async sets the time zone and client encoding of every
+            // connection it makes, with prepared statements: their Parse and
+            // Bind are separate exchanges, which a transaction pooler may
+            // send to different server connections when no transaction is
+            // open (`prepared statement "s0" does not exist`, and a statement
+            // left behind on a server connection, whose name the next client
+            // with the same counter then collides with). So they run inside a
+            // transaction, which keeps one server connection; committed, the
+            // settings stay with the session, and the pooler carries them
+            // over to whichever server connection it hands the client later
+            // (both are parameters PgBouncer tracks).
+            Pooler::TransactionPooling => {
+                // The connection is driven by hand until diesel-async takes it over.
+                tokio::select! {
+                    begun = client.batch_execute("BEGIN") => begun.map_err(driver_error)?,
+                    ended = &mut connection => {
+                        return Err(ConnectionError::BadConnection(match ended {
+                            Ok(()) => "the connection closed during set-up".to_owned(),
+                            Err(e) => format!("the connection failed during set-up: {e}"),
+                        }))
+                    }
+                }
+                let mut conn =
+                    AsyncPgConnection::try_from_client_and_connection(client, connection).await?;
+                conn.set_prepared_statement_cache_size(CacheSize::Disabled);
+                conn.batch_execute("COMMIT")
+                    .await
+                    .map_err(ConnectionError::CouldntSetupConfiguration)?;
+                conn
+            }
+        };
+        Ok(Connection { conn, wire })
+    }
+
+    async fn recycle(
+        &self,
+        obj: &mut Connection,
+        _: &deadpool::managed::Metrics,
+    ) -> deadpool::managed::RecycleResult<ConnectionError> {
+        // No round trip: what the server last said is enough. A connection
+        // still owed an answer (a statement whose future was dropped) is not
+        // idle, whatever diesel-async's transaction manager believes.
+        if std::thread::panicking() || obj.conn.is_broken() || !obj.wire.idle() {
+            return Err(deadpool::managed::RecycleError::message(
+                "closed, in a transaction, or still owed an answer",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a cancel request for one of a pool's connections connects through:
+/// the same pass-through "TLS" as the connection itself, as its cancel
+/// token carries the connection's settings (see the module docs).
+pub(crate) fn cancel_connector() -> wire::Observe {
+    wire::Observe(Arc::default())
 }
 
 /// Build a [`Pool`] for `database_url` with the defaults of [`PoolConfig`].
@@ -127,107 +308,49 @@ pub fn build_pool(database_url: &str) -> Result<Pool, BuildError> {
     build_pool_with(database_url, &PoolConfig::default())
 }
 
-/// Build a [`Pool`] with explicit settings.
+/// Build a [`Pool`] with explicit settings. No connection is made yet: a
+/// URL that cannot be used is refused here, a server that cannot be reached
+/// at the first checkout.
 pub fn build_pool_with(database_url: &str, config: &PoolConfig) -> Result<Pool, BuildError> {
-    let mut manager_config = ManagerConfig::default();
-    manager_config.recycling_method = RecyclingMethod::Fast;
-    let pooler = config.pooler;
-    manager_config.custom_setup = Box::new(move |url| Box::pin(establish(url.to_owned(), pooler)));
-    let manager = AsyncDieselConnectionManager::new_with_config(database_url, manager_config);
-    let pool = Pool::builder(manager)
+    let mut pg = tokio_postgres::Config::from_str(database_url).map_err(BuildError::InvalidUrl)?;
+    if pg.get_ssl_mode() == SslMode::Require || pg.get_ssl_negotiation() == SslNegotiation::Direct {
+        return Err(BuildError::Tls);
+    }
+    if let Some(Host::Unix(path)) = pg.get_hosts().iter().find(|h| matches!(h, Host::Unix(_))) {
+        return Err(BuildError::UnixSocket(path.display().to_string()));
+    }
+    // See the module docs: the observer enters as the "TLS" stream.
+    pg.ssl_mode(SslMode::Require)
+        .ssl_negotiation(SslNegotiation::Direct);
+    let manager = Manager {
+        config: pg,
+        pooler: config.pooler,
+    };
+    let inner = deadpool::managed::Pool::builder(manager)
         .max_size(config.max_size)
         .wait_timeout(Some(config.wait_timeout))
         .create_timeout(Some(config.wait_timeout))
-        .runtime(deadpool_runtime())
+        .runtime(deadpool::Runtime::Tokio1)
         .build()?;
-    if pooler == Pooler::TransactionPooling {
-        transaction_pooled()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(pool_id(&pool));
+    Ok(Pool {
+        inner,
+        pooler: config.pooler,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_idem_cannot_honour_are_refused() {
+        let tls = build_pool("postgres://u@127.0.0.1/x?sslmode=require").unwrap_err();
+        assert!(matches!(tls, BuildError::Tls), "{tls}");
+        let unix = build_pool("postgres://u@/x?host=/var/run/postgresql").unwrap_err();
+        assert!(matches!(unix, BuildError::UnixSocket(_)), "{unix}");
+        assert!(matches!(
+            build_pool("not a url at all"),
+            Err(BuildError::InvalidUrl(_))
+        ));
     }
-    Ok(pool)
-}
-
-/// The pools [`build_pool_with`] set up for [`Pooler::TransactionPooling`],
-/// by [`pool_id`]. Behind such a pooler a transaction must not end with a
-/// statement still to be closed (see [`behind_transaction_pooler`]); nothing
-/// on a pool tells its settings back, so they are remembered here. An id
-/// reused by a later pool (the first one was dropped) only costs that pool
-/// the pipelined `COMMIT`.
-fn transaction_pooled() -> &'static Mutex<HashSet<usize>> {
-    static POOLS: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    POOLS.get_or_init(Default::default)
-}
-
-/// A pool's identity for as long as it lives: the address of its manager,
-/// which deadpool keeps behind the pool's shared state.
-fn pool_id(pool: &Pool) -> usize {
-    std::ptr::from_ref(pool.manager()) as usize
-}
-
-/// Whether `pool` was built for a transaction pooler. Its connections keep
-/// no prepared statement: each statement is prepared and closed around its
-/// run, and a close sent after `COMMIT` could reach another server
-/// connection than the one holding the statement, which then stays there
-/// (`prepared statement "s12" already exists` for the next client). So a
-/// transaction's last statement there is not pipelined with its `COMMIT`.
-pub(crate) fn behind_transaction_pooler(pool: &Pool) -> bool {
-    transaction_pooled()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .contains(&pool_id(pool))
-}
-
-fn deadpool_runtime() -> deadpool::Runtime {
-    deadpool::Runtime::Tokio1
-}
-
-async fn establish(url: String, pooler: Pooler) -> Result<AsyncPgConnection, ConnectionError> {
-    match pooler {
-        Pooler::Direct => {
-            let mut conn = AsyncPgConnection::establish(&url).await?;
-            conn.batch_execute(UNTRANSLATED_MESSAGES)
-                .await
-                .map_err(ConnectionError::CouldntSetupConfiguration)?;
-            Ok(conn)
-        }
-        Pooler::TransactionPooling => establish_for_transaction_pooling(&url).await,
-    }
-}
-
-/// diesel-async sets the time zone and client encoding of every connection
-/// it makes, with prepared statements: their Parse and Bind are separate
-/// exchanges, which a transaction pooler may send to different server
-/// connections when no transaction is open (`prepared statement "s0" does not
-/// exist`, and a statement left behind on a server connection, whose name the
-/// next client with the same counter then collides with). So the connection
-/// is opened here, and those statements run inside a transaction, which keeps
-/// one server connection; committed, the settings stay with the session, and
-/// the pooler carries them over to whichever server connection it hands the
-/// client later (both are parameters PgBouncer tracks).
-async fn establish_for_transaction_pooling(
-    url: &str,
-) -> Result<AsyncPgConnection, ConnectionError> {
-    let setup = |e: diesel::result::Error| ConnectionError::CouldntSetupConfiguration(e);
-    let driver_error = |e: tokio_postgres::Error| {
-        ConnectionError::BadConnection(format!("could not connect: {e}"))
-    };
-    let (client, mut connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .map_err(driver_error)?;
-    // The connection is driven by hand until diesel-async takes it over.
-    tokio::select! {
-        begun = client.batch_execute("BEGIN") => begun.map_err(driver_error)?,
-        ended = &mut connection => {
-            return Err(ConnectionError::BadConnection(match ended {
-                Ok(()) => "the connection closed during set-up".to_owned(),
-                Err(e) => format!("the connection failed during set-up: {e}"),
-            }))
-        }
-    }
-    let mut conn = AsyncPgConnection::try_from_client_and_connection(client, connection).await?;
-    conn.set_prepared_statement_cache_size(CacheSize::Disabled);
-    conn.batch_execute("COMMIT").await.map_err(setup)?;
-    Ok(conn)
 }

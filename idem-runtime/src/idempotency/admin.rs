@@ -141,7 +141,7 @@ pub async fn settle<S: Serialize + ?Sized>(
                 attempts: 1,
                 elapsed: started.elapsed(),
             },
-            CommitFailure::RolledBack => Error::RolledBack,
+            CommitFailure::RolledBack(_) => Error::RolledBack,
             CommitFailure::Failed(e) => Error::Commit(e),
         })?;
     Ok(n == 1)

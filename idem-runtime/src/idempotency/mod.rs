@@ -147,9 +147,7 @@ impl Default for IdempotencyConfig {
 /// cannot be read would answer every retry of its key with an error.
 pub const MAX_STORED_DEPTH: usize = 64;
 
-/// The message every caller of a key with an unknown outcome gets.
-pub const OUTCOME_UNKNOWN_MESSAGE: &str =
-    "the request may have reached the target system; its outcome is decided there; not retried";
+pub use crate::error::OUTCOME_UNKNOWN_MESSAGE;
 
 pub use crate::error::Error;
 

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::pin::pin;
 use std::time::{Duration, Instant};
 
-use diesel_async::pooled_connection::deadpool::PoolError;
+use crate::pool::PoolError;
 use diesel_async::AsyncPgConnection;
 use scoped_futures::ScopedBoxFuture;
 

@@ -6,7 +6,7 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use diesel_async::pooled_connection::deadpool::PoolError;
+use crate::pool::PoolError;
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
 
@@ -222,7 +222,7 @@ impl<P: Publisher> Relay<P> {
             }
             tokio::select! {
                 () = shutdown.as_mut() => return Ok(()),
-                woke = wait(listener.as_deref_mut(), self.poll_interval) => {
+                woke = wait(listener.as_deref_mut().map(|c| &mut **c), self.poll_interval) => {
                     if !woke {
                         listener = None;
                     }

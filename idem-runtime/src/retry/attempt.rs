@@ -12,19 +12,17 @@
 //! first use, by the time that was left when the body started, counted from
 //! when the transaction begins.
 
-use std::future::Future;
 use std::time::{Duration, Instant};
 
 use diesel::QueryResult;
 use diesel_async::AsyncPgConnection;
 
-use deadpool::managed::{PoolError, TimeoutType};
+use deadpool::managed::TimeoutType;
 
 use super::{Isolation, RetryCause, Transient};
 use crate::error::Error;
-use crate::pool::Pool;
-use crate::pool::{behind_transaction_pooler, PooledConnection};
-use crate::tx::{BeginFailure, Closing, CommitFailure, Pipelined, Timeouts, Tx};
+use crate::pool::{Pool, PoolError};
+use crate::tx::{Closing, CommitFailure, Pipelined, Timeouts, Tx};
 
 /// How an attempt begins its transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,76 +108,43 @@ impl Attempt {
     /// was deferred.
     pub async fn open(&mut self) -> Result<&mut AsyncPgConnection, Error> {
         if self.tx.is_none() {
-            let isolation = self.lazy_isolation();
-            self.begin_deferred(|conn, timeouts| async move {
-                Tx::begin_bounded(conn, isolation, timeouts)
-                    .await
-                    .map(|tx| (tx, ()))
-            })
-            .await?;
+            self.begin_deferred().await?;
         }
         Ok(self.conn())
     }
 
-    /// Run `first` as the attempt's first statements. On an attempt begun on
-    /// first use they go out with its `BEGIN`, in one round trip.
+    /// Run `first` as the attempt's first statements, beginning its
+    /// transaction first when it was deferred.
     pub(crate) async fn open_with<P: Pipelined>(
         &mut self,
         first: &P,
     ) -> Result<QueryResult<P::Output>, Error> {
-        if let Some(tx) = self.tx.as_mut() {
-            return Ok(first.send(tx.conn()).await);
-        }
-        let isolation = self.lazy_isolation();
-        self.begin_deferred(|conn, timeouts| Tx::begin_with(conn, isolation, timeouts, first))
-            .await
+        let conn: &AsyncPgConnection = self.open().await?;
+        Ok(first.send(conn).await)
     }
 
-    /// Commit with `last` sent ahead of `COMMIT`, in one round trip; one
-    /// after the other behind a transaction pooler, and on an attempt that
-    /// did not begin on first use (only those know their pool, and the
-    /// sequential close is right everywhere). The pooler is looked up here,
-    /// not per attempt: only this close needs it.
+    /// Commit with `last` sent before `COMMIT`.
     ///
     /// # Panics
     /// On an attempt whose transaction was never opened.
-    pub(crate) async fn commit_behind<P: Pipelined>(
+    pub(crate) async fn commit_after<P: Pipelined>(
         &mut self,
         last: &P,
     ) -> Result<P::Output, Closing> {
-        let pipelined = self
-            .lazy
-            .as_ref()
-            .is_some_and(|lazy| !behind_transaction_pooler(&lazy.pool));
         let timeout = self.commit_timeout;
-        let tx = self
-            .tx
+        self.tx
             .as_mut()
-            .expect("an attempt commits behind a statement only once open");
-        if pipelined {
-            tx.commit_behind(timeout, last).await
-        } else {
-            tx.commit_after(timeout, last).await
-        }
+            .expect("an attempt commits after a statement only once open")
+            .commit_after(timeout, last)
+            .await
     }
 
-    fn lazy_isolation(&self) -> Isolation {
-        self.lazy
-            .as_ref()
-            .expect("an attempt without a transaction begins on first use")
-            .isolation
-    }
-
-    /// Check out a connection and begin the deferred transaction with
-    /// `begin`, within the attempt's budget. A pooled connection that broke
+    /// Check out a connection and begin the deferred transaction, within
+    /// the attempt's budget. A pooled connection that broke
     /// while idle ran nothing: another is tried at once, one per connection
     /// the pool may hold, as [`RetryLoop::begin`](super::RetryLoop::begin)
     /// does.
-    async fn begin_deferred<T, F, Fut>(&mut self, mut begin: F) -> Result<T, Error>
-    where
-        F: FnMut(PooledConnection, Timeouts) -> Fut,
-        Fut: Future<Output = Result<(Tx, T), BeginFailure>>,
-    {
+    async fn begin_deferred(&mut self) -> Result<(), Error> {
         let lazy = self
             .lazy
             .clone()
@@ -199,10 +164,10 @@ impl Attempt {
             })?;
             let left = until.saturating_duration_since(Instant::now());
             let timeouts = Timeouts::within(left, lazy.last);
-            match begin(conn, timeouts).await {
-                Ok((tx, out)) => {
+            match Tx::begin_bounded(conn, lazy.isolation, timeouts).await {
+                Ok(tx) => {
                     self.tx = Some(tx);
-                    return Ok(out);
+                    return Ok(());
                 }
                 Err(failure) => {
                     let lost = failure.0.transient() == Some(RetryCause::ConnectionLost);
@@ -222,7 +187,7 @@ impl Attempt {
     /// connection.
     pub(crate) fn failure_cause(&self) -> Option<RetryCause> {
         match &self.tx {
-            Some(tx) => tx.failure_cause(),
+            Some(tx) => tx.error_cause(),
             None => self.lost_at_begin.then_some(RetryCause::ConnectionLost),
         }
     }

@@ -53,39 +53,14 @@
 
 mod attempt;
 mod backoff;
-mod classify;
 mod run;
 
 use std::time::Duration;
 
+pub use crate::cause::{RetryCause, Transient};
+pub use crate::tx::Isolation;
 pub use attempt::{Attempt, Begin, Deferred};
-pub(crate) use classify::own_timeout;
-pub use classify::{RetryCause, Transient};
 pub use run::{commit, retry, RetryLoop, Step};
-
-/// The isolation level each attempt's transaction begins with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Isolation {
-    /// PostgreSQL's default. Lost updates are prevented by versioned writes
-    /// (which come back `Stale`) or row locks, not by the isolation level.
-    #[default]
-    ReadCommitted,
-    /// One snapshot for the whole transaction; a concurrent update of a row it
-    /// writes raises 40001.
-    RepeatableRead,
-    /// Serializable snapshot isolation; write skew raises 40001.
-    Serializable,
-}
-
-impl Isolation {
-    pub(crate) fn begin_sql(self) -> &'static str {
-        match self {
-            Isolation::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            Isolation::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            Isolation::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-        }
-    }
-}
 
 /// What the loop does about rows that keep conflicting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

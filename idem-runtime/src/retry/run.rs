@@ -18,10 +18,10 @@ use super::backoff;
 use super::{OnConflict, RetryCause, RetryPolicy, Transient};
 use crate::attempt::{self, AttemptContext, ConflictSlot, ATTEMPT};
 use crate::error::{Error, FromIdemError};
-use crate::pool::Pool;
+use crate::pool::{Pool, PoolError};
 use crate::tx::{CommitFailure, Timeouts, Tx};
 
-use deadpool::managed::{PoolError, TimeoutType};
+use deadpool::managed::TimeoutType;
 
 /// Run `body` as a retried transaction: the closure form of `#[retryable]`.
 ///
@@ -418,6 +418,12 @@ impl<'p> RetryLoop<'p> {
     ) -> ControlFlow<ControlFlow<Result<T, E>>, RetryCause> {
         match committed {
             Ok(value) => ControlFlow::Break(self.done(Ok(value), "committed")),
+            // The body swallowed a failure worth replaying for (a lock timeout
+            // met by a row-returning statement, say): the server rolled the
+            // transaction back, and the next attempt may commit.
+            Err(CommitFailure::RolledBack(Some(cause))) if self.policy.replays(cause) => {
+                ControlFlow::Continue(cause)
+            }
             Err(CommitFailure::Failed(err))
                 if err.transient().is_some_and(|c| self.policy.replays(c)) =>
             {
@@ -439,7 +445,7 @@ impl<'p> RetryLoop<'p> {
                 },
                 "commit_unknown",
             ),
-            CommitFailure::RolledBack => (Error::RolledBack, "rolled_back"),
+            CommitFailure::RolledBack(_) => (Error::RolledBack, "rolled_back"),
             CommitFailure::Failed(err) => (Error::Commit(err), "commit_failed"),
         };
         self.done(Err(E::from(err)), label)

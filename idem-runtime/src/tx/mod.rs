@@ -8,16 +8,19 @@
 //! transaction was abandoned. The retry loop above it only decides whether to
 //! go again; a second backend would plug in at this module.
 //!
-//! The plain path uses diesel-async's supported hooks: `begin_transaction_sql`,
-//! `commit_transaction` and `rollback_transaction` keep diesel's own
-//! transaction depth right (so a `conn.transaction(..)` inside a body becomes
-//! a savepoint), and a per-transaction [`Instrumentation`] sees every
-//! statement that failed. The pipelined path ([`pipeline`]: statements sent
-//! with `BEGIN` and with `COMMIT`) keeps the same depth through the API
-//! diesel opens to connection implementations, as diesel-async's own manager
-//! does. PostgreSQL answers `COMMIT` in a transaction whose
-//! statement failed with a silent `ROLLBACK`; the watch is how a body that
-//! swallowed such an error is caught before `COMMIT` is sent.
+//! It begins and ends transactions through diesel-async's supported hooks
+//! only (`begin_transaction_sql`, `commit_transaction`,
+//! `rollback_transaction`), which keep diesel's own transaction depth right,
+//! so a `conn.transaction(..)` inside a body becomes a savepoint. What
+//! happened inside a transaction it learns from the server, not from
+//! diesel: idem's pool reads every connection on the wire
+//! ([`crate::pool`]), so a statement that failed reaches it with its
+//! SQLSTATE whatever diesel call ran it (`execute`, `get_result`, `load`, a
+//! stream). PostgreSQL answers `COMMIT` in a transaction whose statement
+//! failed with a silent `ROLLBACK`: a transaction the server reports failed
+//! is rolled back instead of committed, and a `COMMIT` the server answers
+//! `ROLLBACK` (a statement still in flight when it was sent failed) is
+//! reported as one.
 //!
 //! A transaction of the retry loop is bounded at the server: its `BEGIN`
 //! carries `SET LOCAL statement_timeout` and `SET LOCAL lock_timeout`
@@ -27,21 +30,41 @@
 //! pooling).
 
 use std::borrow::Cow;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use diesel::connection::{Instrumentation, InstrumentationEvent};
+use deadpool::managed::Object;
 use diesel::result::Error as DieselError;
-use diesel_async::pooled_connection::deadpool::Object;
-use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
-};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 
-use crate::pool::PooledConnection;
-use crate::retry::{own_timeout, Isolation, RetryCause, Transient};
+use crate::cause::{from_sqlstate, Bounds, RetryCause, Transient};
+use crate::pool::{PooledConnection, Refusal, Wire};
 
 mod pipeline;
 pub(crate) use pipeline::{Closing, Pipelined};
+
+/// The isolation level each attempt's transaction begins with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Isolation {
+    /// PostgreSQL's default. Lost updates are prevented by versioned writes
+    /// (which come back `Stale`) or row locks, not by the isolation level.
+    #[default]
+    ReadCommitted,
+    /// One snapshot for the whole transaction; a concurrent update of a row it
+    /// writes raises 40001.
+    RepeatableRead,
+    /// Serializable snapshot isolation; write skew raises 40001.
+    Serializable,
+}
+
+impl Isolation {
+    pub(crate) fn begin_sql(self) -> &'static str {
+        match self {
+            Isolation::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            Isolation::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            Isolation::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        }
+    }
+}
 
 /// One open transaction. Dropping it while open (the caller's future was
 /// cancelled) cancels the statement the server may still run for it and
@@ -50,7 +73,8 @@ pub(crate) use pipeline::{Closing, Pipelined};
 pub(crate) struct Tx {
     conn: Option<PooledConnection>,
     open: bool,
-    watch: Arc<Mutex<WatchState>>,
+    /// The loop's bounds on its statements, if it set any.
+    timeouts: Option<Timeouts>,
 }
 
 /// How a `COMMIT` ended, when it did not commit for certain.
@@ -60,9 +84,10 @@ pub enum CommitFailure {
     /// The connection failed, or went silent, while `COMMIT` was in flight:
     /// the transaction may or may not have committed.
     Unknown,
-    /// A statement of the transaction had failed and its error was ignored:
-    /// the transaction was rolled back instead of being committed.
-    RolledBack,
+    /// A statement of the transaction had failed (and its error was
+    /// ignored): the transaction was rolled back instead of being committed.
+    /// The failure's cause, when it is worth replaying the transaction for.
+    RolledBack(Option<RetryCause>),
     /// `COMMIT` was answered with an error: nothing was committed.
     Failed(DieselError),
 }
@@ -98,12 +123,11 @@ impl Timeouts {
         }
     }
 
-    fn statement(self) -> Duration {
-        Duration::from_millis(self.statement_ms.into())
-    }
-
-    fn lock(self) -> Duration {
-        Duration::from_millis(self.lock_ms.into())
+    fn bounds(self) -> Bounds {
+        Bounds {
+            statement: Duration::from_millis(self.statement_ms.into()),
+            lock: Duration::from_millis(self.lock_ms.into()),
+        }
     }
 
     /// `BEGIN` and both settings as one simple query: one round trip. Only
@@ -142,51 +166,25 @@ impl Tx {
         isolation: Isolation,
         timeouts: Option<Timeouts>,
     ) -> Result<Tx, BeginFailure> {
-        let mut tx = Tx::watched(conn, timeouts);
+        let mut tx = Tx {
+            conn: Some(conn),
+            open: false,
+            timeouts,
+        };
         let sql = match timeouts {
             Some(timeouts) => Cow::Owned(timeouts.begin_sql(isolation)),
             None => Cow::Borrowed(isolation.begin_sql()),
         };
+        // From here, whether BEGIN ran is not known until it is answered: a
+        // drop closes the connection.
+        tx.open = true;
         match AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await {
-            Ok(()) => {
-                tx.open = true;
-                Ok(tx)
-            }
+            Ok(()) => Ok(tx),
             Err(err) => {
                 tx.discard();
                 Err(BeginFailure(err))
             }
         }
-    }
-
-    /// A transaction not begun yet on `conn`, whose statements the watch
-    /// sees from now on.
-    fn watched(mut conn: PooledConnection, timeouts: Option<Timeouts>) -> Tx {
-        let watch = Arc::new(Mutex::new(WatchState {
-            timeouts,
-            ..WatchState::default()
-        }));
-        AsyncConnection::set_instrumentation(
-            &mut *conn,
-            Watch {
-                state: Arc::clone(&watch),
-                inner: diesel::connection::get_default_instrumentation(),
-            },
-        );
-        Tx {
-            conn: Some(conn),
-            open: false,
-            watch,
-        }
-    }
-
-    /// How long the server lets each statement of this transaction run.
-    fn statement_bound(&self) -> Option<Duration> {
-        self.watch
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .timeouts
-            .map(Timeouts::statement)
     }
 
     /// The connection the transaction runs on.
@@ -195,24 +193,38 @@ impl Tx {
     /// After the connection was discarded, which only the ending methods do,
     /// and they consume or close the transaction.
     pub(crate) fn conn(&mut self) -> &mut AsyncPgConnection {
-        self.conn
+        let conn = self
+            .conn
             .as_mut()
-            .expect("a transaction's connection is only discarded when it ends")
+            .expect("a transaction's connection is only discarded when it ends");
+        &mut ***conn
     }
 
-    /// Commit, unless a statement failed unnoticed; `timeout` bounds the wait
-    /// for the server's answer.
+    fn wire(&self) -> Option<&Wire> {
+        self.conn.as_ref().map(|conn| conn.wire())
+    }
+
+    /// Commit, unless the server reports the transaction failed; `timeout`
+    /// bounds the wait for the server's answer.
     pub(crate) async fn commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
-        if self.watch_failed() {
+        if self.wire().is_some_and(Wire::unfinished) {
+            let cause = self.failure_cause();
             self.roll_back(timeout).await;
-            return Err(CommitFailure::RolledBack);
+            return Err(CommitFailure::RolledBack(cause));
         }
+        let rollbacks = self.wire().map_or(0, Wire::rollbacks);
         let committed = tokio::time::timeout(
             timeout,
             AnsiTransactionManager::commit_transaction(self.conn()),
         )
         .await;
         match committed {
+            // A statement still in flight when COMMIT was sent failed (a
+            // future the body dropped): the server said ROLLBACK.
+            Ok(Ok(())) if self.wire().is_some_and(|w| w.rollbacks() > rollbacks) => {
+                self.open = false;
+                Err(CommitFailure::RolledBack(self.failure_cause()))
+            }
             Ok(Ok(())) => {
                 self.open = false;
                 Ok(())
@@ -241,9 +253,7 @@ impl Tx {
     /// logged, never returned, so it cannot hide the error that caused it.
     ///
     /// Returns true when the connection turned out to be lost: the
-    /// transaction died with it. (diesel-async may report a lost connection
-    /// to the statement that met it without finishing that statement's
-    /// instrumentation event, so the watch alone cannot always tell.)
+    /// transaction died with it.
     pub(crate) async fn roll_back(&mut self, timeout: Duration) -> bool {
         if !self.open {
             return false;
@@ -260,8 +270,10 @@ impl Tx {
             }
             Ok(Err(err)) => {
                 tracing::warn!(error = %err, "ROLLBACK failed; discarding the connection");
+                let lost = err.transient() == Some(RetryCause::ConnectionLost)
+                    || self.wire().is_some_and(Wire::closed);
                 self.discard();
-                err.transient() == Some(RetryCause::ConnectionLost)
+                lost
             }
             Err(_elapsed) => {
                 tracing::warn!("ROLLBACK got no answer; discarding the connection");
@@ -285,19 +297,36 @@ impl Tx {
         }
     }
 
-    /// Why a statement of this transaction failed, when no savepoint undid
-    /// it and the failure is worth replaying the transaction for.
+    /// Why a statement of this transaction failed, as the server said, when
+    /// no savepoint undid it and the failure is worth replaying the
+    /// transaction for; or the connection was lost.
+    ///
+    /// The refusal that failed the transaction, or the one of the request
+    /// still being answered (the server sends an error the moment it is
+    /// raised, and its `ReadyForQuery` after it: a body may return the error
+    /// before the status arrives).
     pub(crate) fn failure_cause(&self) -> Option<RetryCause> {
-        self.watch.lock().unwrap_or_else(|p| p.into_inner()).cause
+        let wire = self.wire()?;
+        let bounds = self.timeouts.map(Timeouts::bounds);
+        let cause = |r: Refusal| from_sqlstate(&r.code, r.ran, bounds);
+        wire.abort()
+            .or_else(|| wire.pending())
+            .and_then(cause)
+            .or_else(|| wire.closed().then_some(RetryCause::ConnectionLost))
     }
 
-    /// A statement of this transaction failed and no savepoint undid it.
-    fn watch_failed(&self) -> bool {
-        self.watch
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .failed_at
-            .is_some()
+    /// Why a body that returned an error failed, as the server said: the
+    /// failure of the transaction, or else a refusal a rollback to a
+    /// savepoint undid (a deadlock inside `conn.transaction(..)` whose error
+    /// the body passed on), when it is worth replaying for.
+    pub(crate) fn error_cause(&self) -> Option<RetryCause> {
+        let bounds = self.timeouts.map(Timeouts::bounds);
+        self.failure_cause().or_else(|| {
+            self.wire()?
+                .refusals()
+                .into_iter()
+                .find_map(|r| from_sqlstate(&r.code, r.ran, bounds))
+        })
     }
 
     /// Close the connection instead of returning it to the pool.
@@ -323,7 +352,7 @@ impl Tx {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let token = conn.cancel_token();
                 runtime.spawn(async move {
-                    if let Err(err) = token.cancel_query(tokio_postgres::NoTls).await {
+                    if let Err(err) = token.cancel_query(crate::pool::cancel_connector()).await {
                         tracing::debug!(error = %err, "could not cancel the abandoned transaction's statement");
                     }
                 });
@@ -343,81 +372,6 @@ impl Drop for Tx {
         if self.open {
             tracing::warn!("transaction dropped while open; closing its connection");
             self.cancel_and_discard();
-        }
-    }
-}
-
-/// What the watch knows of the transaction: diesel's depth as its events
-/// tell it, the shallowest depth at which a statement failed, and whether
-/// that failure is worth replaying the transaction for; and, to tell the
-/// expiry of its own timeouts from the body's, since when a statement runs.
-#[derive(Debug, Default)]
-struct WatchState {
-    depth: u32,
-    failed_at: Option<u32>,
-    cause: Option<RetryCause>,
-    timeouts: Option<Timeouts>,
-    /// Statements started and not finished (more than one when a body
-    /// pipelines them), and when the oldest of them started.
-    running: u32,
-    since: Option<Instant>,
-}
-
-/// The instrumentation a transaction's connection carries while it is open;
-/// it forwards every event to the application's default instrumentation.
-struct Watch {
-    state: Arc<Mutex<WatchState>>,
-    inner: Option<Box<dyn Instrumentation>>,
-}
-
-impl Instrumentation for Watch {
-    fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
-        {
-            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            match &event {
-                InstrumentationEvent::BeginTransaction { depth, .. } => state.depth = depth.get(),
-                InstrumentationEvent::CommitTransaction { depth, .. } => {
-                    state.depth = depth.get() - 1;
-                }
-                InstrumentationEvent::RollbackTransaction { depth, .. } => {
-                    // Rolling back to a savepoint undoes failures inside it.
-                    if state.failed_at.is_some_and(|at| at >= depth.get()) {
-                        state.failed_at = None;
-                        state.cause = None;
-                    }
-                    state.depth = depth.get() - 1;
-                }
-                InstrumentationEvent::StartQuery { .. } => {
-                    if state.running == 0 {
-                        state.since = Some(Instant::now());
-                    }
-                    state.running += 1;
-                }
-                InstrumentationEvent::FinishQuery { error, .. } => {
-                    // From the oldest running statement's start: a pipelined
-                    // statement may seem to have run longer than it did,
-                    // which errs towards replaying within the budget.
-                    let ran = state.since.map_or(Duration::ZERO, |since| since.elapsed());
-                    state.running = state.running.saturating_sub(1);
-                    if state.running == 0 {
-                        state.since = None;
-                    }
-                    let at = state.depth;
-                    if let Some(err @ DieselError::DatabaseError(..)) = error {
-                        if at > 0 && state.failed_at.is_none_or(|f| at < f) {
-                            state.failed_at = Some(at);
-                            state.cause = state
-                                .timeouts
-                                .and_then(|t| own_timeout(err, ran, t.statement(), t.lock()))
-                                .or_else(|| err.transient());
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        if let Some(inner) = self.inner.as_mut() {
-            inner.on_connection_event(event);
         }
     }
 }

@@ -72,6 +72,18 @@ pub enum VersionedError {
     Database(#[from] DieselError),
 }
 
+impl crate::cause::Transient for VersionedError {
+    fn transient(&self) -> Option<crate::cause::RetryCause> {
+        match self {
+            VersionedError::Stale { .. } => Some(crate::cause::RetryCause::Stale),
+            VersionedError::Database(e) => crate::cause::Transient::transient(e),
+            VersionedError::NotFound
+            | VersionedError::StateMismatch { .. }
+            | VersionedError::IllegalTransition { .. } => None,
+        }
+    }
+}
+
 /// An integer type that can hold a row version: `i16`, `i32` or `i64`.
 #[diagnostic::on_unimplemented(
     message = "the version field of a `#[derive(Versioned)]` model must be an integer, not `{Self}`",

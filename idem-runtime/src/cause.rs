@@ -1,20 +1,21 @@
-//! Which failures are worth replaying, and how to tell them apart.
+//! Which failures are worth replaying a transaction for, and how to tell
+//! them apart: the vocabulary the transaction driver, the retry loop and the
+//! one error type share.
 //!
-//! The set is deliberately narrow. diesel-async reports SQLSTATE only for a few
-//! classes (40001 among them); everything else, deadlocks included, arrives as
-//! `DatabaseErrorKind::Unknown` with the server's message. idem's pool asks the
-//! server for untranslated (C locale) messages on every new connection, which
-//! makes the text of 40P01 and 55P03 fixed. Where the server refuses that
-//! (a non-superuser without `GRANT SET ON PARAMETER lc_messages`) and the
-//! server's own `lc_messages` is not English, a deadlock is not recognised:
-//! it is returned to the caller instead of being replayed. That is the safe
-//! direction: nothing that is not known to be replayable is replayed.
+//! The retry loop does not classify by message text. Its connections are
+//! read on the wire ([`crate::pool`]), where every failed statement comes with
+//! its SQLSTATE, whichever diesel call ran it: [`from_sqlstate`] is what the
+//! loop replays for. The [`Transient`] trait classifies a diesel error by
+//! hand (diesel reports SQLSTATE only for a few classes, 40001 among them;
+//! deadlocks and lock timeouts arrive as `DatabaseErrorKind::Unknown` with
+//! the server's message, so it reads the untranslated message, which idem's
+//! pool asks for where the server lets it).
 //!
 //! Two causes come only from the loop's own bounds, which each attempt sets
 //! from the call's deadline (see [`crate::retry`]): [`RetryCause::LockTimeout`]
 //! and [`RetryCause::DeadlineExceeded`]. The server's error does not say whose
-//! `lock_timeout` or `statement_timeout` expired, so the attempt's connection
-//! tells them apart by how long the failed statement ran ([`own_timeout`]): a
+//! `lock_timeout` or `statement_timeout` expired, so they are told apart by
+//! how long the failed statement ran (the wire knows when it was sent): a
 //! body's own, shorter `SET LOCAL lock_timeout` keeps its meaning (55P03,
 //! [`RetryCause::LockNotAvailable`], replayed only on opt-in), and a body's own
 //! `statement_timeout` is not replayed at all.
@@ -24,8 +25,6 @@ use std::time::Duration;
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
-use crate::versioned::VersionedError;
-
 /// Why an attempt failed in a way that replaying the whole transaction can fix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RetryCause {
@@ -34,11 +33,12 @@ pub enum RetryCause {
     SerializationFailure,
     /// 40P01 deadlock_detected: the server chose this transaction as the victim.
     Deadlock,
-    /// A versioned write found a newer version ([`VersionedError::Stale`]).
+    /// A versioned write found a newer version
+    /// ([`VersionedError::Stale`](crate::versioned::VersionedError::Stale)).
     Stale,
     /// 55P03 lock_not_available (`NOWAIT`, or a `lock_timeout` the body set
     /// itself). Replayed only when the policy opts in
-    /// ([`super::RetryPolicy::retry_lock_not_available`]); the loop's own
+    /// ([`crate::retry::RetryPolicy::retry_lock_not_available`]); the loop's own
     /// `lock_timeout` is [`RetryCause::LockTimeout`].
     LockNotAvailable,
     /// The connection broke before COMMIT was sent, so the transaction did not
@@ -92,11 +92,13 @@ impl fmt::Display for RetryCause {
 
 /// Whether a failure is worth replaying the transaction for.
 ///
-/// The retry loop does not ask your error type: it classifies the failed
-/// statements it sees on the attempt's connection, and the version conflicts
-/// of its versioned writes, with this trait's implementations for diesel's
-/// error and [`VersionedError`]. They are public for code that classifies by
-/// hand (a handler choosing a status, say).
+/// The retry loop does not ask your error type, nor this trait: it reads the
+/// SQLSTATE of every failed statement off the attempt's connection
+/// ([`from_sqlstate`]), and counts the version conflicts of its versioned
+/// writes. This trait's implementations (for diesel's error and
+/// `VersionedError`) are for code that classifies by hand (a handler
+/// choosing a status, say); they read the server's message where diesel
+/// gives no SQLSTATE.
 ///
 /// ```
 /// use idem_runtime::retry::{RetryCause, Transient};
@@ -116,30 +118,42 @@ const LOCK_TIMEOUT: &str = "canceling statement due to lock timeout";
 const NOWAIT_ROW: &str = "could not obtain lock on row";
 const NOWAIT_RELATION: &str = "could not obtain lock on relation";
 const ADMIN_SHUTDOWN: &str = "terminating connection due to administrator command";
-const STATEMENT_TIMEOUT: &str = "canceling statement due to statement timeout";
 
-/// Whether `err`, met by a statement that ran for `ran`, is the expiry of
-/// the loop's own `statement_timeout` (`statement`) or `lock_timeout`
-/// (`lock`), and not of a shorter one the body set.
+/// The loop's own bounds on one transaction's statements (see
+/// [`crate::retry`]): what its `statement_timeout` and `lock_timeout` were.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Bounds {
+    pub(crate) statement: Duration,
+    pub(crate) lock: Duration,
+}
+
+/// What a statement that failed with SQLSTATE `code` after running for `ran`
+/// means for its transaction, under the loop's `bounds` (none: a transaction
+/// the loop did not bound).
 ///
-/// The server cancels a statement only once its timeout has passed, and the
-/// client's `ran` spans the whole statement, so an expiry of the loop's own
-/// timeout always ran at least as long. A fifth of margin absorbs clock
-/// differences; a body's own setting that close to the loop's is counted as
-/// the loop's, which only means it is replayed within the budget.
-pub(crate) fn own_timeout(
-    err: &DieselError,
+/// 55P03 and 57014 are the loop's own timeouts only when the statement ran
+/// as long as the loop's bound: the server cancels a statement only once its
+/// timeout has passed, and `ran` spans the whole statement, so an expiry of
+/// the loop's own timeout always ran at least as long. A fifth of margin
+/// absorbs clock differences; a body's own setting that close to the loop's
+/// is counted as the loop's, which only means it is replayed within the
+/// budget. A `NOWAIT` fails at once, so it stays 55P03's own meaning.
+pub(crate) fn from_sqlstate(
+    code: &[u8; 5],
     ran: Duration,
-    statement: Duration,
-    lock: Duration,
+    bounds: Option<Bounds>,
 ) -> Option<RetryCause> {
-    let DieselError::DatabaseError(DatabaseErrorKind::Unknown, info) = err else {
-        return None;
-    };
     let at_least = |limit: Duration| ran >= limit - limit / 5;
-    match info.message() {
-        STATEMENT_TIMEOUT if at_least(statement) => Some(RetryCause::DeadlineExceeded),
-        LOCK_TIMEOUT if at_least(lock) => Some(RetryCause::LockTimeout),
+    match code {
+        b"40001" => Some(RetryCause::SerializationFailure),
+        b"40P01" => Some(RetryCause::Deadlock),
+        b"55P03" if bounds.is_some_and(|b| at_least(b.lock)) => Some(RetryCause::LockTimeout),
+        b"55P03" => Some(RetryCause::LockNotAvailable),
+        b"57014" if bounds.is_some_and(|b| at_least(b.statement)) => {
+            Some(RetryCause::DeadlineExceeded)
+        }
+        // admin_shutdown, crash_shutdown: the connection ends with it.
+        b"57P01" | b"57P02" => Some(RetryCause::ConnectionLost),
         _ => None,
     }
 }
@@ -174,18 +188,6 @@ impl Transient for DieselError {
     }
 }
 
-impl Transient for VersionedError {
-    fn transient(&self) -> Option<RetryCause> {
-        match self {
-            VersionedError::Stale { .. } => Some(RetryCause::Stale),
-            VersionedError::Database(e) => e.transient(),
-            VersionedError::NotFound
-            | VersionedError::StateMismatch { .. }
-            | VersionedError::IllegalTransition { .. } => None,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,48 +218,60 @@ mod tests {
             DieselError::DatabaseError(DatabaseErrorKind::CheckViolation, Box::new(String::new()));
         assert_eq!(check.transient(), None);
         assert_eq!(DieselError::NotFound.transient(), None);
+    }
+
+    #[test]
+    fn sqlstates_the_loop_replays() {
+        let ms = Duration::from_millis;
+        let bounds = Some(Bounds {
+            statement: ms(300),
+            lock: ms(150),
+        });
         assert_eq!(
-            VersionedError::Stale {
-                expected: 1,
-                actual: 2
-            }
-            .transient(),
-            Some(RetryCause::Stale)
+            from_sqlstate(b"40001", ms(1), bounds),
+            Some(RetryCause::SerializationFailure)
         );
-        assert_eq!(VersionedError::NotFound.transient(), None);
+        assert_eq!(
+            from_sqlstate(b"40P01", ms(1), None),
+            Some(RetryCause::Deadlock)
+        );
+        assert_eq!(
+            from_sqlstate(b"57P01", ms(1), bounds),
+            Some(RetryCause::ConnectionLost)
+        );
+        // Not transient whatever they ran: a user's 23505, 22012, 25P02.
+        for code in [b"23505", b"22012", b"25P02", b"42P01"] {
+            assert_eq!(from_sqlstate(code, ms(900), bounds), None);
+        }
     }
 
     #[test]
     fn only_the_loops_own_timeouts_are_its_own() {
         let ms = Duration::from_millis;
-        let statement = unknown("canceling statement due to statement timeout");
-        let lock = unknown("canceling statement due to lock timeout");
+        let bounds = Some(Bounds {
+            statement: ms(300),
+            lock: ms(150),
+        });
         // Ran as long as the loop's bound: the loop's own.
         assert_eq!(
-            own_timeout(&statement, ms(300), ms(300), ms(150)),
+            from_sqlstate(b"57014", ms(300), bounds),
             Some(RetryCause::DeadlineExceeded)
         );
         assert_eq!(
-            own_timeout(&lock, ms(151), ms(300), ms(150)),
+            from_sqlstate(b"55P03", ms(151), bounds),
             Some(RetryCause::LockTimeout)
         );
-        // Much shorter: a bound the body set itself keeps its meaning.
-        assert_eq!(own_timeout(&statement, ms(50), ms(300), ms(150)), None);
-        assert_eq!(own_timeout(&lock, ms(50), ms(300), ms(150)), None);
-        assert_eq!(lock.transient(), Some(RetryCause::LockNotAvailable));
-        // Other errors are never the loop's timeouts, however long they ran.
+        // Much shorter: a bound the body set itself (or NOWAIT) keeps its meaning.
+        assert_eq!(from_sqlstate(b"57014", ms(50), bounds), None);
         assert_eq!(
-            own_timeout(&unknown("deadlock detected"), ms(900), ms(300), ms(150)),
-            None
+            from_sqlstate(b"55P03", ms(50), bounds),
+            Some(RetryCause::LockNotAvailable)
         );
+        // A transaction the loop did not bound has no timeouts of its own.
+        assert_eq!(from_sqlstate(b"57014", ms(900), None), None);
         assert_eq!(
-            own_timeout(
-                &unknown("canceling statement due to user request"),
-                ms(900),
-                ms(300),
-                ms(150)
-            ),
-            None
+            from_sqlstate(b"55P03", ms(900), None),
+            Some(RetryCause::LockNotAvailable)
         );
     }
 }
