@@ -212,6 +212,10 @@ impl DerefMut for Connection {
     }
 }
 
+/// How long a checkout waits for a returned connection's answers still on
+/// their way (see [`Manager::recycle`]).
+const SETTLE: Duration = Duration::from_millis(100);
+
 /// Makes and recycles a [`Pool`]'s connections (deadpool's manager).
 pub struct Manager {
     config: tokio_postgres::Config,
@@ -278,9 +282,12 @@ impl deadpool::managed::Manager for Manager {
         _: &deadpool::managed::Metrics,
     ) -> deadpool::managed::RecycleResult<ConnectionError> {
         // No round trip: what the server last said is enough. A connection
-        // still owed an answer (a statement whose future was dropped) is not
-        // idle, whatever diesel-async's transaction manager believes.
-        if std::thread::panicking() || obj.conn.is_broken() || !obj.wire.idle() {
+        // still owed an answer is given a moment (`get_result` and `first`
+        // drop their row stream once they have their row, before the
+        // statement's last messages are read); one whose statement still
+        // runs (its future was dropped) is not idle, whatever diesel-async's
+        // transaction manager believes.
+        if std::thread::panicking() || obj.conn.is_broken() || !obj.wire.idle(SETTLE).await {
             return Err(deadpool::managed::RecycleError::message(
                 "closed, in a transaction, or still owed an answer",
             ));

@@ -22,6 +22,7 @@ use tokio::sync::{Barrier, Semaphore};
 
 mod derived_keys;
 mod external;
+mod held_commit;
 mod hostile;
 mod local;
 mod one_write;

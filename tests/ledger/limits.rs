@@ -266,3 +266,56 @@ async fn metadata_is_a_small_shallow_object_without_nul() {
     assert_eq!(read.header("etag"), Some("\"v0\""), "nothing was written");
     ledger.assert_consistent().await;
 }
+
+/// A transfer whose account row another session holds longer than the
+/// transfer's deadline waits, replays its attempts within the deadline, and
+/// is answered 503 problem+json: busy, try again. The versioned update meets
+/// idem's lock_timeout through a statement that returns rows; it was once the
+/// body's own error, a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_on_a_row_held_past_its_deadline_is_503() {
+    let mut ledger = Ledger::start().await;
+    let (a, b) = (
+        ledger.client.open_account(EUR).await,
+        ledger.client.open_account(EUR).await,
+    );
+    let topped = ledger.client.top_up("held-top-up", a, 500, EUR).await;
+    assert_eq!(topped.status, 201, "{topped:?}");
+    // Hold a's row (the transfer's deadline is 10 s).
+    ledger
+        .conn
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM ledger_accounts WHERE id = {a} FOR UPDATE"
+        ))
+        .await
+        .expect("hold the row");
+    let started = std::time::Instant::now();
+    let reply = ledger
+        .client
+        .transfer(Some("held-transfer"), a, b, 100, EUR)
+        .await;
+    let waited = started.elapsed();
+    ledger
+        .conn
+        .batch_execute("ROLLBACK")
+        .await
+        .expect("release");
+    assert_eq!(reply.status, 503, "{reply:?}");
+    assert_eq!(
+        reply.header("content-type"),
+        Some("application/problem+json"),
+        "{reply:?}"
+    );
+    assert!(reply.header("retry-after").is_some(), "{reply:?}");
+    // Replayed within the deadline, not given up after one lock wait.
+    assert!(waited >= std::time::Duration::from_secs(8), "{waited:?}");
+    assert_eq!(ledger.balance(a).await, 500, "nothing moved");
+    assert_eq!(ledger.balance(b).await, 0, "nothing moved");
+    // Once the row is free, the same key runs, once.
+    let again = ledger
+        .client
+        .transfer(Some("held-transfer"), a, b, 100, EUR)
+        .await;
+    assert_eq!(again.status, 201, "{again:?}");
+    assert_eq!(ledger.balance(b).await, 100);
+}

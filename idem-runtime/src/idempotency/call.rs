@@ -210,6 +210,12 @@ impl<E> Call<E> {
         // What an earlier attempt wrote did not commit.
         self.completed = None;
         let external = self.request.external();
+        if self.claimed && attempt.follows_unknown_commit() {
+            // The claim's COMMIT went unanswered (and was cancelled): it may
+            // not have committed. Claim again, which finds this call's own
+            // claim by its token if it did.
+            self.claimed = false;
+        }
         if self.claimed && self.pending_final.is_none() {
             // External phase 2: the body runs with nothing open.
             self.body_ran = true;
@@ -251,7 +257,11 @@ impl<E> Call<E> {
                 }
             };
         }
-        let conn = attempt.conn();
+        // Begun at once, unless this attempt was to run the body (above).
+        let conn = match attempt.open().await {
+            Ok(conn) => conn,
+            Err(e) => return Some(Err(E::from(e))),
+        };
         if let Some((_, stored)) = &self.pending_final {
             // External: the claim is this call's.
             let written = self.record(conn, store::ERROR, stored).await;

@@ -33,6 +33,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
 use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream};
 use tokio_postgres::Socket;
 
@@ -40,6 +41,8 @@ use tokio_postgres::Socket;
 #[derive(Debug, Default)]
 pub(crate) struct Wire {
     state: Mutex<State>,
+    /// Woken at every `ReadyForQuery`, and when the socket ends.
+    answered: Notify,
 }
 
 /// A statement the server refused: its SQLSTATE, and how long it ran.
@@ -104,10 +107,25 @@ impl Wire {
         self.state().closed
     }
 
-    /// Idle, with every request answered: safe to hand out again.
-    pub(crate) fn idle(&self) -> bool {
-        let state = self.state();
-        state.status == b'I' && state.sent.is_empty() && !state.closed
+    /// Idle, with every request answered: safe to hand out again. Answers
+    /// still on their way get up to `settle` to arrive.
+    pub(crate) async fn idle(&self, settle: Duration) -> bool {
+        let until = tokio::time::Instant::now() + settle;
+        loop {
+            let answered = self.answered.notified();
+            {
+                let state = self.state();
+                if state.closed {
+                    return false;
+                }
+                if state.sent.is_empty() {
+                    return state.status == b'I';
+                }
+            }
+            if tokio::time::timeout_at(until, answered).await.is_err() {
+                return false;
+            }
+        }
     }
 
     fn on_sent(&self, requests: usize) {
@@ -157,6 +175,8 @@ impl Wire {
             _ => {}
         }
         state.status = status;
+        drop(state);
+        self.answered.notify_waiters();
     }
 
     fn on_rollback(&self) {
@@ -165,6 +185,7 @@ impl Wire {
 
     fn on_closed(&self) {
         self.state().closed = true;
+        self.answered.notify_waiters();
     }
 }
 
@@ -473,9 +494,19 @@ mod tests {
             o.written(chunk);
         }
         assert_eq!(o.wire.state().sent.len(), 2);
+        let still_owed = tokio::time::Duration::from_millis(1);
         o.read(&message(b'Z', b"T"));
+        assert!(!block_on(o.wire.idle(still_owed)));
         o.read(&message(b'Z', b"I"));
-        assert!(o.wire.idle());
+        assert!(block_on(o.wire.idle(still_owed)));
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(f)
     }
 
     #[test]

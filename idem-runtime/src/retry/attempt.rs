@@ -58,6 +58,10 @@ pub struct Attempt {
     /// A lost connection met while beginning on first use: nothing of the
     /// transaction ran, so the attempt is worth replaying.
     lost_at_begin: bool,
+    /// The attempt before this one committed and went on
+    /// ([`Step::CommitAndContinue`](super::Step::CommitAndContinue)), and
+    /// its `COMMIT` went unanswered: what it wrote may not be there.
+    follows_unknown_commit: bool,
 }
 
 impl Attempt {
@@ -67,6 +71,7 @@ impl Attempt {
             commit_timeout,
             lazy: None,
             lost_at_begin: false,
+            follows_unknown_commit: false,
         }
     }
 
@@ -89,7 +94,18 @@ impl Attempt {
                 last,
             }),
             lost_at_begin: false,
+            follows_unknown_commit: false,
         }
+    }
+
+    pub(crate) fn set_follows_unknown_commit(&mut self, unknown: bool) {
+        self.follows_unknown_commit = unknown;
+    }
+
+    /// Whether the attempt before this one committed and went on, and its
+    /// `COMMIT` went unanswered.
+    pub(crate) fn follows_unknown_commit(&self) -> bool {
+        self.follows_unknown_commit
     }
 
     /// The connection the attempt's body runs on.

@@ -128,6 +128,9 @@ pub struct RetryLoop<'p> {
     conflict: ConflictSlot,
     /// `Step::Again` with no delay so far: free up to a bound.
     immediate_repeats: usize,
+    /// The last `Step::CommitAndContinue` got no answer to its `COMMIT`:
+    /// the next attempt is told ([`Attempt::follows_unknown_commit`]).
+    unknown_commit: bool,
     span: tracing::Span,
 }
 
@@ -156,6 +159,7 @@ impl<'p> RetryLoop<'p> {
             lock_rows: false,
             conflict: ConflictSlot::default(),
             immediate_repeats: 0,
+            unknown_commit: false,
             span,
         }
     }
@@ -173,6 +177,13 @@ impl<'p> RetryLoop<'p> {
     /// Start the next attempt as `begin` says: at once ([`RetryLoop::begin`])
     /// or with its transaction deferred to its first use.
     pub async fn begin_with(&mut self, begin: Begin) -> Result<Attempt, Error> {
+        let unknown = std::mem::take(&mut self.unknown_commit);
+        let mut attempt = self.start(begin).await?;
+        attempt.set_follows_unknown_commit(unknown);
+        Ok(attempt)
+    }
+
+    async fn start(&mut self, begin: Begin) -> Result<Attempt, Error> {
         match begin {
             Begin::Now => self.begin().await,
             Begin::OnFirstUse => {
@@ -373,7 +384,10 @@ impl<'p> RetryLoop<'p> {
                         return ControlFlow::Continue(());
                     }
                     // The next attempt reads what happened.
-                    Err(CommitFailure::Unknown) => RetryCause::ConnectionLost,
+                    Err(CommitFailure::Unknown) => {
+                        self.unknown_commit = true;
+                        RetryCause::ConnectionLost
+                    }
                     Err(failure) => {
                         return self.commit_failed(failure);
                     }
