@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::idempotency::{CacheConfig, ReplayCache};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{idempotent, retryable, NoFinalErrors, Pool};
+use idem::{idempotent, retryable, Pool};
 use serde::{Deserialize, Serialize};
 
 const KEYS: usize = 100;
@@ -51,15 +51,7 @@ enum AppError {
     Idem(#[from] idem::Error),
 }
 
-impl idem::IdempotentError for AppError {
-    type Final = NoFinalErrors;
-    fn to_final(&self) -> Option<NoFinalErrors> {
-        None
-    }
-    fn from_final(never: NoFinalErrors) -> Self {
-        match never {}
-    }
-}
+idem::final_errors!(AppError);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Paid {

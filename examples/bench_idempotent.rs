@@ -3,7 +3,7 @@
 //! `cargo run --release --example bench_idempotent [-- --iterations N --warmup N]`
 //!
 //! One handler (insert a payment row and its outbox row, in one transaction),
-//! five ways:
+//! six ways:
 //!
 //! - `bare`: under `#[retryable]` only: `BEGIN`, two inserts, `COMMIT`;
 //! - `local`: `#[idempotent]` (local mode) on top, a new key every call:
@@ -12,6 +12,11 @@
 //!   claim commits first, then the body and the response;
 //! - `replay`: the local handler called again with a key it already completed:
 //!   the stored response comes back without running the body;
+//! - `unguarded`: the bare handler in a diesel-async `transaction` on a
+//!   connection of its own, outside idem's pool: no retry loop, and no wire
+//!   guard (idem's pool reads every connection's answers to see each failure
+//!   and each `COMMIT` that rolled back); `bare / unguarded` is what the loop
+//!   and the guard cost;
 //! - `handwritten`: what teams write by hand (brandur's Stripe-style keys, the
 //!   Powertools pattern): the key row is inserted and committed first, then
 //!   the handler and the `UPDATE` that completes the key row commit together
@@ -19,11 +24,12 @@
 //!
 //! Each contender has its own pool of one connection per caller. They run
 //! interleaved, round-robin within each iteration with a rotating first
-//! place, so drift on a shared machine hits all five alike; `--concurrency N`
+//! place, so drift on a shared machine hits all six alike; `--concurrency N`
 //! runs N such callers at once. The last line is machine-readable:
 //! `bare_us=.. local_us=.. external_us=.. replay_us=.. handwritten_us=..
-//! local_ratio=.. replay_ratio=.. handwritten_ratio=..` (medians in µs;
-//! local and replay against bare, handwritten_ratio = local / handwritten).
+//! unguarded_us=.. local_ratio=.. replay_ratio=.. handwritten_ratio=..
+//! guard_ratio=..` (medians in µs; local and replay against bare,
+//! handwritten_ratio = local / handwritten, guard_ratio = bare / unguarded).
 
 #[path = "common/bench.rs"]
 mod bench;
@@ -37,7 +43,7 @@ use std::time::{Duration, Instant};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{idempotent, retryable, Deferred, IdempotentError, NoFinalErrors, Pool};
+use idem::{idempotent, retryable, Deferred, Pool};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -89,7 +95,15 @@ const SCHEMA: &str = "
 
 /// This benchmark's key space in `idem_requests`, emptied at start and end.
 const SCOPE: &str = "bench_idempotent";
-const NAMES: [&str; 5] = ["bare", "local", "external", "replay", "handwritten"];
+const NAMES: [&str; 6] = [
+    "bare",
+    "local",
+    "external",
+    "replay",
+    "handwritten",
+    "unguarded",
+];
+const CONTENDERS: usize = NAMES.len();
 
 #[derive(Debug, thiserror::Error)]
 enum AppError {
@@ -99,15 +113,7 @@ enum AppError {
     Idem(#[from] idem::Error),
 }
 
-impl IdempotentError for AppError {
-    type Final = NoFinalErrors;
-    fn to_final(&self) -> Option<NoFinalErrors> {
-        None
-    }
-    fn from_final(never: NoFinalErrors) -> Self {
-        match never {}
-    }
-}
+idem::final_errors!(AppError);
 
 struct PaymentCmd {
     idempotency_key: String,
@@ -126,7 +132,7 @@ struct Payment {
     status: String,
 }
 
-/// The handler all four contenders run: one payment row, one outbox row.
+/// The handler every contender run: one payment row, one outbox row.
 async fn write_payment(
     conn: &mut AsyncPgConnection,
     cmd: &PaymentCmd,
@@ -222,6 +228,8 @@ async fn pay_handwritten(pool: &Pool, cmd: &PaymentCmd) -> Result<Payment, AppEr
 /// another's prepared statements or waits behind its traffic.
 struct Contenders {
     pools: [Pool; 5],
+    /// The unguarded contender's connection, outside idem's pool.
+    own: AsyncPgConnection,
     /// The key the replay contender repeats, completed during setup.
     replayed: PaymentCmd,
     next_id: i64,
@@ -245,7 +253,7 @@ impl Contenders {
             3 => None,
             _ => Some(self.new_cmd(which)),
         };
-        let pool = &self.pools[which];
+        let pool = &self.pools[which.min(4)];
         let start = Instant::now();
         let (payment, replayed) = match (which, &cmd) {
             (0, Some(cmd)) => (pay_bare(pool, cmd).await.expect("bare"), false),
@@ -259,6 +267,13 @@ impl Contenders {
             }
             (4, Some(cmd)) => (
                 pay_handwritten(pool, cmd).await.expect("handwritten"),
+                false,
+            ),
+            (5, Some(cmd)) => (
+                self.own
+                    .transaction(async |conn| write_payment(conn, cmd).await)
+                    .await
+                    .expect("unguarded"),
                 false,
             ),
             _ => {
@@ -284,7 +299,12 @@ async fn reset_scope(conn: &mut AsyncPgConnection) -> QueryResult<usize> {
 
 /// One caller's samples per contender: its own pools and key range, the
 /// contenders interleaved with a rotating first place.
-async fn caller(url: String, caller: i64, iterations: usize, warmup: usize) -> [Vec<Duration>; 5] {
+async fn caller(
+    url: String,
+    caller: i64,
+    iterations: usize,
+    warmup: usize,
+) -> [Vec<Duration>; CONTENDERS] {
     let one = PoolConfig {
         max_size: 1,
         ..PoolConfig::default()
@@ -292,6 +312,7 @@ async fn caller(url: String, caller: i64, iterations: usize, warmup: usize) -> [
     let pool = || build_pool_with(&url, &one).expect("pool");
     let mut c = Contenders {
         pools: [pool(), pool(), pool(), pool(), pool()],
+        own: AsyncPgConnection::establish(&url).await.expect("connect"),
         replayed: PaymentCmd {
             idempotency_key: format!("replay-{caller}"),
             amount: 3000,
@@ -305,10 +326,10 @@ async fn caller(url: String, caller: i64, iterations: usize, warmup: usize) -> [
         .await
         .expect("the replayed key's first call");
     assert!(!first.replayed);
-    let mut samples: [Vec<Duration>; 5] = Default::default();
+    let mut samples: [Vec<Duration>; CONTENDERS] = Default::default();
     for i in 0..warmup + iterations {
-        for slot in 0..5 {
-            let which = (i + slot) % 5;
+        for slot in 0..CONTENDERS {
+            let which = (i + slot) % CONTENDERS;
             let elapsed = c.call(which).await;
             if i >= warmup {
                 samples[which].push(elapsed);
@@ -331,7 +352,7 @@ async fn main() {
     let callers: Vec<_> = (0..args.concurrency as i64)
         .map(|n| tokio::spawn(caller(url.clone(), n, args.iterations, args.warmup)))
         .collect();
-    let mut samples: [Vec<Duration>; 5] = Default::default();
+    let mut samples: [Vec<Duration>; CONTENDERS] = Default::default();
     for task in callers {
         for (all, mine) in samples
             .iter_mut()
@@ -350,7 +371,7 @@ async fn main() {
         "{:<10} {:>10} {:>10} {:>10} {:>8}",
         "contender", "median_us", "p90_us", "p99_us", "vs_bare"
     );
-    let mut medians = [0.0; 5];
+    let mut medians = [0.0; CONTENDERS];
     for (which, s) in samples.iter_mut().enumerate() {
         s.sort();
         medians[which] = percentile_us(s, 0.5);
@@ -365,12 +386,14 @@ async fn main() {
             medians[which] / medians[0]
         );
     }
-    let [bare, local, external, replay, handwritten] = medians;
+    let [bare, local, external, replay, handwritten, unguarded] = medians;
     println!(
         "bare_us={bare:.1} local_us={local:.1} external_us={external:.1} replay_us={replay:.1} \
-         handwritten_us={handwritten:.1} local_ratio={:.2} replay_ratio={:.2} handwritten_ratio={:.2}",
+         handwritten_us={handwritten:.1} unguarded_us={unguarded:.1} local_ratio={:.2} \
+         replay_ratio={:.2} handwritten_ratio={:.2} guard_ratio={:.2}",
         local / bare,
         replay / bare,
-        local / handwritten
+        local / handwritten,
+        bare / unguarded
     );
 }

@@ -14,10 +14,24 @@
 //! - `raw`: tokio-postgres with the statement prepared once: the floor.
 //!
 //! They run interleaved, round-robin within each iteration with a rotating
-//! first place, so drift on a shared machine hits all three alike. The last
-//! line is machine-readable:
+//! first place, so drift on a shared machine hits all three alike. The line
+//! after their table is machine-readable:
 //! `versioned_us=.. diesel_us=.. raw_us=.. ratio_vs_diesel=.. ratio_vs_raw=..`
 //! (medians in µs; ratios of the versioned median to the others').
+//!
+//! A second run, as interleaved, puts the versioned update in a transaction
+//! (`BEGIN`, the update, `COMMIT`) three ways, to show what idem's
+//! transaction driver costs:
+//!
+//! - `tx_diesel`: diesel-async's `transaction` on a connection of its own;
+//! - `tx_pool`: the same on a connection of idem's pool, whose answers idem
+//!   reads on the wire (what sees a failed statement and a `COMMIT` that
+//!   rolled back, whatever diesel call ran it): the guard alone;
+//! - `retryable`: idem's retry loop (`retry`), with its deadline settings in
+//!   `BEGIN`, the guard, and the checkout.
+//!
+//! Its last line: `tx_diesel_us=.. tx_pool_us=.. retryable_us=..
+//! guard_ratio=.. loop_ratio=..` (tx_pool and retryable against tx_diesel).
 
 #[path = "common/bench.rs"]
 mod bench;
@@ -32,6 +46,7 @@ use diesel::prelude::*;
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::{Versioned, VersionedChanges};
+use scoped_futures::ScopedFutureExt;
 use serde_json::json;
 use tokio_postgres::types::Json;
 use tokio_postgres::NoTls;
@@ -182,6 +197,102 @@ async fn prepared_updates(conn: &mut AsyncPgConnection) -> usize {
         .count()
 }
 
+const TX_NAMES: [&str; 3] = ["tx_diesel", "tx_pool", "retryable"];
+
+/// One versioned update of `key` from `expected`, on `conn`.
+async fn update_in(
+    conn: &mut AsyncPgConnection,
+    key: i64,
+    expected: i64,
+    i: usize,
+) -> Result<i64, BenchError> {
+    let edit = Edit {
+        body: json!({ "iteration": i }),
+    };
+    Ok(Document::update(key)
+        .tenant(TENANT)
+        .expect_version(expected)
+        .set(&edit)
+        .execute(conn)
+        .await?
+        .version)
+}
+
+#[derive(Debug, thiserror::Error)]
+enum BenchError {
+    #[error(transparent)]
+    Versioned(#[from] idem::VersionedError),
+    #[error(transparent)]
+    Db(#[from] diesel::result::Error),
+    #[error(transparent)]
+    Idem(#[from] idem::Error),
+}
+
+/// The transaction run: rows 4 to 6, one per contender.
+async fn transactions(url: &str, iterations: usize, warmup: usize) {
+    let mut own = AsyncPgConnection::establish(url).await.expect("connect");
+    let one = idem::pool::PoolConfig {
+        max_size: 1,
+        ..Default::default()
+    };
+    let held = idem::pool::build_pool_with(url, &one).expect("pool");
+    let mut pooled = held.get().await.expect("a pooled connection");
+    let looped = idem::pool::build_pool_with(url, &one).expect("pool");
+    let mut versions = [0_i64; 3];
+    let mut samples: [Vec<Duration>; 3] = Default::default();
+    for i in 0..warmup + iterations {
+        for slot in 0..3 {
+            let which = (i + slot) % 3;
+            let (key, expected) = (which as i64 + 4, versions[which]);
+            let start = Instant::now();
+            let written = match which {
+                0 => own
+                    .transaction(async |c| update_in(c, key, expected, i).await)
+                    .await
+                    .expect("tx_diesel"),
+                1 => pooled
+                    .transaction(async |c| update_in(c, key, expected, i).await)
+                    .await
+                    .expect("tx_pool"),
+                _ => idem::retry::retry(&looped, idem::RetryPolicy::new(), "bench", |c| {
+                    update_in(c, key, expected, i).scope_boxed()
+                })
+                .await
+                .expect("retryable"),
+            };
+            let elapsed = start.elapsed();
+            assert_eq!(written, expected + 1, "{}", TX_NAMES[which]);
+            versions[which] = written;
+            if i >= warmup {
+                samples[which].push(elapsed);
+            }
+        }
+    }
+    println!(
+        "{:<10} {:>10} {:>10} {:>10}",
+        "contender", "median_us", "p90_us", "p99_us"
+    );
+    let mut medians = [0.0; 3];
+    for (which, s) in samples.iter_mut().enumerate() {
+        s.sort();
+        medians[which] = percentile_us(s, 0.5);
+        println!(
+            "{:<10} {:>10.1} {:>10.1} {:>10.1}",
+            TX_NAMES[which],
+            medians[which],
+            percentile_us(s, 0.9),
+            percentile_us(s, 0.99)
+        );
+    }
+    let [diesel_tx, pool_tx, retryable] = medians;
+    println!(
+        "tx_diesel_us={diesel_tx:.1} tx_pool_us={pool_tx:.1} retryable_us={retryable:.1} \
+         guard_ratio={:.2} loop_ratio={:.2}",
+        pool_tx / diesel_tx,
+        retryable / diesel_tx
+    );
+}
+
 #[tokio::main]
 async fn main() {
     let args = parse_args();
@@ -190,7 +301,7 @@ async fn main() {
 
     let mut setup = AsyncPgConnection::establish(&url).await.expect("connect");
     setup.batch_execute(SCHEMA).await.expect("create schema");
-    for key in 1..=3 {
+    for key in 1..=6 {
         Document {
             tenant_id: TENANT,
             document_id: key,
@@ -267,4 +378,5 @@ async fn main() {
         versioned / diesel,
         versioned / raw
     );
+    transactions(&url, args.iterations, args.warmup).await;
 }

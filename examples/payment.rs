@@ -24,7 +24,7 @@ use std::sync::Arc;
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{idempotent, retryable, IdempotentError, NoFinalErrors};
+use idem::{idempotent, retryable};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::Barrier;
@@ -82,15 +82,7 @@ enum AppError {
     Idem(#[from] idem::Error),
 }
 
-impl IdempotentError for AppError {
-    type Final = NoFinalErrors;
-    fn to_final(&self) -> Option<NoFinalErrors> {
-        None
-    }
-    fn from_final(never: NoFinalErrors) -> Self {
-        match never {}
-    }
-}
+idem::final_errors!(AppError);
 
 struct Ctx {
     tenant: &'static str,

@@ -28,7 +28,7 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::idempotency::current_key;
-use idem::{idempotent, Deferred, IdempotentError, NoFinalErrors};
+use idem::{idempotent, Deferred};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -82,15 +82,7 @@ enum AppError {
     Target(std::io::Error),
 }
 
-impl IdempotentError for AppError {
-    type Final = NoFinalErrors;
-    fn to_final(&self) -> Option<NoFinalErrors> {
-        None
-    }
-    fn from_final(never: NoFinalErrors) -> Self {
-        match never {}
-    }
-}
+idem::final_errors!(AppError);
 
 /// One tool call as the agent sends it: who, in which conversation, with
 /// which arguments. The tool is the function called.

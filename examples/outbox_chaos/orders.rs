@@ -7,7 +7,7 @@ use std::time::Duration;
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idem::outbox::{emit, EmitError, Event};
-use idem::{idempotent, retryable, IdempotentError, NoFinalErrors, Pool};
+use idem::{idempotent, retryable, Pool};
 use serde::{Deserialize, Serialize};
 
 /// The producer's table, the consumer's applied log and its per-order
@@ -76,15 +76,7 @@ pub enum AppError {
     WrongState(i64),
 }
 
-impl IdempotentError for AppError {
-    type Final = NoFinalErrors;
-    fn to_final(&self) -> Option<NoFinalErrors> {
-        None
-    }
-    fn from_final(never: NoFinalErrors) -> Self {
-        match never {}
-    }
-}
+idem::final_errors!(AppError);
 
 pub struct CreateOrder {
     pub order: i64,

@@ -25,10 +25,7 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::http::{IdempotencyKey, IdempotentResponse, Problem, StoredResponse};
 use idem::pool::{build_pool_with, PoolConfig, Pooler};
-use idem::{
-    idempotent, retryable, IdempotentError, NoFinalErrors, Pool, Versioned, VersionedChanges,
-    VersionedError,
-};
+use idem::{idempotent, retryable, Pool, Versioned, VersionedChanges, VersionedError};
 use serde::{Deserialize, Serialize};
 
 /// The tables, in a fresh database (after `idem::migrate`).
@@ -142,15 +139,7 @@ enum AppError {
     Idem(#[from] idem::Error),
 }
 
-impl IdempotentError for AppError {
-    type Final = NoFinalErrors;
-    fn to_final(&self) -> Option<NoFinalErrors> {
-        None
-    }
-    fn from_final(never: NoFinalErrors) -> Self {
-        match never {}
-    }
-}
+idem::final_errors!(AppError);
 
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {

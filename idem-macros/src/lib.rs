@@ -79,7 +79,8 @@ pub fn derive_states(input: TokenStream) -> TokenStream {
 /// `backoff_base_ms` (10), `backoff_cap_ms` (150), `isolation`
 /// (`read_committed`, `repeatable_read`, `serializable`), `on_conflict`
 /// (`retry`, `lock`), `retry_lock_not_available` (false),
-/// `commit_timeout_ms` (10 000) and `policy = <expr>` (an
+/// `commit_timeout_ms` (10 000), `hot_row_memory_ms` (10 000, with
+/// `on_conflict = lock`) and `policy = <expr>` (an
 /// `idem::RetryPolicy` built at run time, the other keys applied on top). The
 /// error type implements `From<idem::Error>` (which failures are replayed is
 /// decided by what failed on the attempt, not by the error type);
@@ -107,10 +108,56 @@ pub fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
 /// (parameters or their fields; default every parameter), `operation = "name"`
 /// (default the function's path), `mode = local | external`, `ttl_s`
 /// (86 400), `lease_ms` (30 000), `wait_ms` (0), `max_response_bytes`
-/// (65 536) and `config = <expr>` (an `idem::IdempotencyConfig`). Stacks with
+/// (65 536), `config = <expr>` (an `idem::IdempotencyConfig`) and, with
+/// feature `redis`, `cache = <expr>` (an `idem::idempotency::ReplayCache`,
+/// a reference, `Arc` or `Option` of one). Stacks with
 /// `#[retryable]` in either order. The error type implements
 /// `idem::IdempotentError`. See `idem::idempotency` for the semantics.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     idempotent::idempotent(args.into(), item.into()).into()
+}
+
+/// The settings each attribute's documentation lists are the ones its parser
+/// takes: a key added to a parser and not to the documentation fails here.
+#[cfg(test)]
+mod documented_keys {
+    /// The documentation of the entry point `name`.
+    fn doc_of(name: &str) -> &'static str {
+        let source = include_str!("lib.rs");
+        let entry = source
+            .find(&format!("pub fn {name}("))
+            .expect("the entry point");
+        let start = source[..entry].rfind("}\n\n").expect("the item before");
+        &source[start..entry]
+    }
+
+    /// The keys a parser's `KEYS` list names, as backticked words.
+    fn keys(list: &str) -> Vec<&str> {
+        list.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(|key| key.trim_end_matches("(..)"))
+            .collect()
+    }
+
+    fn check(name: &str, list: &str) {
+        let doc = doc_of(name);
+        for key in keys(list) {
+            assert!(
+                doc.contains(&format!("`{key}")),
+                "#[{name}] takes `{key}`, which its documentation does not list"
+            );
+        }
+    }
+
+    #[test]
+    fn retryable_lists_every_key() {
+        check("retryable", crate::retryable::parse::KEYS);
+    }
+
+    #[test]
+    fn idempotent_lists_every_key() {
+        check("idempotent", crate::idempotent::parse::KEYS);
+    }
 }

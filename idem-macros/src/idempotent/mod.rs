@@ -2,7 +2,7 @@
 //! different request under the same key.
 
 mod expand;
-mod parse;
+pub(crate) mod parse;
 
 use proc_macro2::TokenStream;
 use quote::ToTokens;

@@ -21,7 +21,7 @@ const NAMES: &[&str] = &[
     "config",
     "cache",
 ];
-const KEYS: &str = "`key`, `scope`, `fingerprint(..)`, `operation`, `mode`, `ttl_s`, `lease_ms`, `wait_ms`, `max_response_bytes`, `config` and `cache`";
+pub(crate) const KEYS: &str = "`key`, `scope`, `fingerprint(..)`, `operation`, `mode`, `ttl_s`, `lease_ms`, `wait_ms`, `max_response_bytes`, `config` and `cache`";
 
 /// How `cache` is written, for messages.
 const CACHE_FORM: &str = "`cache = <expr>`, where the expression gives an `idem::idempotency::ReplayCache` (a reference, an `Arc` or an `Option` of one; feature `redis`), e.g. `cache = &state.replay_cache`";

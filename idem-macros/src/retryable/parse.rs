@@ -9,7 +9,7 @@ use syn::{Expr, FnArg, Ident, ItemFn, Lit, Pat, Type};
 
 use crate::errors::Errors;
 
-const KEYS: &str = "`max`, `deadline_ms`, `backoff_base_ms`, `backoff_cap_ms`, `isolation`, `on_conflict`, `retry_lock_not_available`, `commit_timeout_ms`, `hot_row_memory_ms` and `policy`";
+pub(crate) const KEYS: &str = "`max`, `deadline_ms`, `backoff_base_ms`, `backoff_cap_ms`, `isolation`, `on_conflict`, `retry_lock_not_available`, `commit_timeout_ms`, `hot_row_memory_ms` and `policy`";
 
 /// The isolation level a `#[retryable(isolation = ..)]` names.
 #[derive(Clone, Copy)]

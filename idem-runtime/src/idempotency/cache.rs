@@ -1,5 +1,5 @@
-//! A Redis front cache of replays (feature `redis`): seed 003 §6.4's retry
-//! storm, absorbed before it reaches the database.
+//! A Redis front cache of replays (feature `redis`): a storm of retried
+//! duplicates, absorbed before it reaches the database.
 //!
 //! A completed record (the operation and fingerprint it was made for,
 //! whether it holds a value or a final error, and its response *as the

@@ -159,8 +159,8 @@ pub use crate::error::Error;
 pub type IdempotencyError = Error;
 
 /// The result of an idempotent function: the value, and whether it is the
-/// stored result of an earlier request with the same key (seed 001's
-/// `{ id, idempotent: true }`).
+/// stored result of an earlier request with the same key (what an API
+/// answers as `{ id, idempotent: true }`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Idempotent<T> {
     /// The result.
@@ -322,8 +322,8 @@ pub fn scope_hash<S: Serialize + ?Sized>(scope: &S) -> Result<String, Error> {
     request::Scope::of(scope).map(|scope| scope.hash)
 }
 
-/// The key derived when the caller gives none (seed 001: who : conversation :
-/// tool : sorted parameters): hex SHA-256 of `scope : operation : fingerprint`,
+/// The key derived when the caller gives none (who, operation, and the
+/// request's fields, so the same call made twice gets the same key): hex SHA-256 of `scope : operation : fingerprint`,
 /// where `scope` is the stored scope (the hex SHA-256 of its canonical
 /// encoding, [`Request::scope`]) and `fingerprint` is hex.
 pub fn derived_key(scope: &str, operation: &str, fingerprint: &[u8; 32]) -> String {

@@ -53,7 +53,7 @@
 
 mod handle;
 #[cfg(feature = "nats")]
-mod run;
+mod nats_consumer;
 mod store;
 
 use std::time::Duration;
@@ -62,7 +62,7 @@ use crate::pool::Pool;
 use crate::retry::RetryPolicy;
 
 #[cfg(feature = "nats")]
-pub use run::{message_id, RunError, RunReport};
+pub use nats_consumer::{message_id, RunError, RunReport};
 pub use store::DeadLetter;
 
 /// The longest consumer name or message id the inbox records, in bytes.

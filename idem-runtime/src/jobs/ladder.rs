@@ -7,7 +7,7 @@ use std::time::Duration;
 /// dead. A job therefore runs at most `steps().len() + 1` times before it
 /// dies (a run whose worker died counts as a run, its lease as its wait).
 ///
-/// The default is seed 003's 5 s, 30 s, 2 min. Demos and tests shrink it
+/// The default waits 5 s, 30 s, then 2 min. Demos and tests shrink it
 /// with [`Ladder::new`] or [`Ladder::scaled`]; the steps are counted in
 /// database time (`now()`).
 ///

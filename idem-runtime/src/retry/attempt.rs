@@ -2,8 +2,8 @@
 //!
 //! Most attempts begin their transaction before the body runs. An external
 //! idempotent call's body attempt does not: its outside call runs with no
-//! transaction open and no pooled connection held (seed 000: never hold a
-//! transaction across a call to another system), and the transaction that
+//! transaction open and no pooled connection held (a transaction held
+//! across a call to another system would hold its locks as long), and the transaction that
 //! records the outcome, with the body's own local writes, begins when the
 //! body first asks for a connection through [`Deferred::conn`].
 //!
