@@ -75,13 +75,41 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
             }
             let err = errors.finish(()).expect_err("one of the two failed");
             let mut out = err.to_compile_error();
-            if let Some(attr) = retry_attr {
-                func.attrs.push(attr);
-            }
-            out.extend(func.into_token_stream());
+            out.extend(fallback(func, retry_attr));
             out
         }
     }
+}
+
+/// What keeps one mistake in the attributes from becoming many: the function
+/// expanded with default settings (its key derived from nothing, in the key
+/// space of `scope = none`: it is never run), so callers that pass a pool and read an `Idempotent<T>`
+/// compile as they will once the attributes are fixed; the function as
+/// written when its shape itself is wrong (a parameter, the return type).
+fn fallback(mut func: syn::ItemFn, retry_attr: Option<syn::Attribute>) -> TokenStream {
+    // The mode that fits the function's first parameter.
+    for defaults in [
+        quote::quote!(scope = none),
+        quote::quote!(scope = none, mode = external),
+    ] {
+        let shape = retryable::parse::Retryable::from_tokens(TokenStream::new(), &func);
+        // Fingerprinting nothing: no bound on the parameters' types either.
+        let parsed = parse::Idempotent::from_tokens(defaults, &func).map(|mut parsed| {
+            parsed.fingerprint = Some(Vec::new());
+            parsed
+        });
+        if let (Ok(mut shape), Ok(parsed)) = (shape, parsed) {
+            if check_connection(&shape, &parsed).is_ok() {
+                expand::mark_attribute_uses(&mut shape, &parsed);
+                let retry_path = retry_attr.as_ref().map(|a| a.path().clone());
+                return expand::idempotent(&shape, &parsed, retry_path.as_ref());
+            }
+        }
+    }
+    if let Some(attr) = retry_attr {
+        func.attrs.push(attr);
+    }
+    func.into_token_stream()
 }
 
 /// The first parameter fits the mode: the attempt's connection in local

@@ -47,14 +47,24 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
             out
         }
         Ok(parsed) => expand::retryable(&parsed),
-        // Keep the function as written next to the error, so one mistake in the
-        // attribute does not turn every caller into an error too.
-        Err(err) => {
-            let mut out = err.to_compile_error();
-            out.extend(func.into_token_stream());
-            out
-        }
+        Err(err) => with_fallback(err, &func),
     }
+}
+
+/// The error, beside what keeps one mistake from becoming many: when only
+/// the settings are wrong, the function expanded with the default settings
+/// (its callers pass a pool, as they will once the setting is fixed, and see
+/// no error of their own); when the function itself is, the function as
+/// written.
+fn with_fallback(err: syn::Error, func: &syn::ItemFn) -> TokenStream {
+    let mut out = err.to_compile_error();
+    match parse::Retryable::from_tokens(TokenStream::new(), func) {
+        Ok(defaults) if defaults.conn_kind.0 != parse::ConnKind::Deferred => {
+            out.extend(expand::retryable(&defaults))
+        }
+        _ => out.extend(func.into_token_stream()),
+    }
+    out
 }
 
 #[cfg(test)]
