@@ -5,17 +5,17 @@ use diesel::sql_types::{BigInt, Binary, Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::request::{storable, Scope};
 use super::store;
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::retry::Isolation;
-use crate::tx::{CommitFailure, Tx};
+use crate::retry::{retry, RetryPolicy};
+use scoped_futures::ScopedFutureExt;
 
-/// How long [`settle`]'s `COMMIT` may go unanswered before it is reported
-/// as [`Error::CommitUnknown`].
+/// [`settle`]'s deadline, and how long its `COMMIT` may go unanswered before
+/// it is reported as [`Error::CommitUnknown`].
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What [`purge_expired`] did.
@@ -103,46 +103,38 @@ pub async fn settle<S: Serialize + ?Sized>(
         storable(response, usize::MAX).map_err(Error::Unstorable)?;
     }
     // In a transaction of its own, like every statement idem runs on a
-    // pooled connection: behind a transaction pooler a bare statement's
-    // Parse and Bind may reach different server connections.
-    let started = Instant::now();
-    let mut tx = Tx::begin(pool.get().await?, Isolation::ReadCommitted)
-        .await
-        .map_err(|failure| Error::Begin(failure.0))?;
-    let query = match settlement {
-        Settlement::Completed(response) => {
-            diesel::sql_query(store::SETTLE_COMPLETED)
-                .bind::<Text, _>(&scope)
-                .bind::<Text, _>(key)
-                .bind::<Jsonb, _>(response)
-                .execute(tx.conn())
-                .await
+    // pooled connection (behind a transaction pooler a bare statement's
+    // Parse and Bind may reach different server connections), through the
+    // retry loop like every transaction idem runs: a race replays it, and a
+    // COMMIT that goes unanswered is `CommitUnknown`.
+    let policy = RetryPolicy::new()
+        .deadline(SETTLE_TIMEOUT)
+        .commit_timeout(SETTLE_TIMEOUT);
+    let (scope, settlement) = (&scope, &settlement);
+    let n: usize = retry(pool, policy, "idem.settle", |conn| {
+        async move {
+            let written = match settlement {
+                Settlement::Completed(response) => {
+                    diesel::sql_query(store::SETTLE_COMPLETED)
+                        .bind::<Text, _>(scope)
+                        .bind::<Text, _>(key)
+                        .bind::<Jsonb, _>(response)
+                        .execute(conn)
+                        .await
+                }
+                Settlement::Released => {
+                    diesel::sql_query(store::RELEASE)
+                        .bind::<Text, _>(scope)
+                        .bind::<Text, _>(key)
+                        .bind::<Nullable<Binary>, _>(None::<&[u8]>)
+                        .execute(conn)
+                        .await
+                }
+            };
+            written.map_err(Error::Database)
         }
-        Settlement::Released => {
-            diesel::sql_query(store::RELEASE)
-                .bind::<Text, _>(&scope)
-                .bind::<Text, _>(key)
-                .bind::<Nullable<Binary>, _>(None::<&[u8]>)
-                .execute(tx.conn())
-                .await
-        }
-    };
-    let n = match query {
-        Ok(n) => n,
-        Err(e) => {
-            tx.roll_back(SETTLE_TIMEOUT).await;
-            return Err(Error::Database(e));
-        }
-    };
-    tx.commit(SETTLE_TIMEOUT)
-        .await
-        .map_err(|failure| match failure {
-            CommitFailure::Unknown => Error::CommitUnknown {
-                attempts: 1,
-                elapsed: started.elapsed(),
-            },
-            CommitFailure::RolledBack(_) => Error::RolledBack,
-            CommitFailure::Failed(e) => Error::Commit(e),
-        })?;
+        .scope_boxed()
+    })
+    .await?;
     Ok(n == 1)
 }

@@ -22,7 +22,8 @@
 use std::time::{Duration, Instant};
 
 use diesel::sql_types::{Binary, Nullable, Text};
-use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use scoped_futures::ScopedFutureExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -31,8 +32,8 @@ use super::store::{self, Record};
 use super::{Idempotent, IdempotentError};
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::retry::{Attempt, Begin, Isolation, Step};
-use crate::tx::{Closing, CommitFailure, Tx};
+use crate::retry::{retry, Attempt, Begin, RetryPolicy, Step};
+use crate::tx::{Closing, CommitFailure};
 
 /// How often a duplicate that may wait looks at the first request again.
 const WAIT_POLL: Duration = Duration::from_millis(20);
@@ -492,41 +493,31 @@ impl<E> Call<E> {
     }
 }
 
-/// Run one statement on this call's claim in a short transaction whose row
-/// lock waits and whole duration are bounded by `timeout`: the row may still
-/// be locked by an attempt whose COMMIT went unanswered.
+/// Run one statement on this call's claim, through the retry loop, within
+/// `timeout`: its row lock waits and statements are bounded by the loop's
+/// deadline, its `COMMIT` by the same `timeout` (the row may still be locked
+/// by an attempt whose COMMIT went unanswered).
 async fn settle_claim(
     pool: &Pool,
     timeout: Duration,
     request: &Request,
     statement: &'static str,
-) -> Result<(), String> {
-    let millis = timeout.as_millis().clamp(1, i32::MAX as u128);
-    let work = async {
-        let conn = pool.get().await.map_err(|e| e.to_string())?;
-        let mut tx = Tx::begin(conn, Isolation::ReadCommitted)
-            .await
-            .map_err(|e| e.0.to_string())?;
-        // An integer, formatted: nothing of the request is in this SQL.
-        tx.conn()
-            .batch_execute(&format!(
-                "SET LOCAL lock_timeout = {millis}; SET LOCAL statement_timeout = {millis}"
-            ))
-            .await
-            .map_err(|e| e.to_string())?;
-        diesel::sql_query(statement)
-            .bind::<Text, _>(request.scope())
-            .bind::<Text, _>(request.key())
-            .bind::<Nullable<Binary>, _>(request.owner())
-            .execute(tx.conn())
-            .await
-            .map_err(|e| e.to_string())?;
-        tx.commit(timeout).await.map_err(|e| format!("{e:?}"))
-    };
-    match tokio::time::timeout(timeout, work).await {
-        Ok(result) => result,
-        Err(_) => Err(format!("no answer within {timeout:?}")),
-    }
+) -> Result<(), Error> {
+    let policy = RetryPolicy::new().deadline(timeout).commit_timeout(timeout);
+    retry(pool, policy, "idem.settle_claim", |conn| {
+        async move {
+            diesel::sql_query(statement)
+                .bind::<Text, _>(request.scope())
+                .bind::<Text, _>(request.key())
+                .bind::<Nullable<Binary>, _>(request.owner())
+                .execute(conn)
+                .await
+                .map(drop)
+                .map_err(Error::Database)
+        }
+        .scope_boxed()
+    })
+    .await
 }
 
 /// `step`, answering `value` where it answers at all.

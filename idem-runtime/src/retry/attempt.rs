@@ -156,45 +156,25 @@ impl Attempt {
     }
 
     /// Check out a connection and begin the deferred transaction, within
-    /// the attempt's budget. A pooled connection that broke
-    /// while idle ran nothing: another is tried at once, one per connection
-    /// the pool may hold, as [`RetryLoop::begin`](super::RetryLoop::begin)
-    /// does.
+    /// the attempt's budget.
     async fn begin_deferred(&mut self) -> Result<(), Error> {
         let lazy = self
             .lazy
             .clone()
             .expect("an attempt without a transaction begins on first use");
         let until = Instant::now() + lazy.budget;
-        let mut stale = 0;
-        loop {
-            let left = until.saturating_duration_since(Instant::now());
-            let conn = match tokio::time::timeout(left, lazy.pool.get()).await {
-                Ok(checked_out) => checked_out,
-                Err(_elapsed) => Err(PoolError::Timeout(TimeoutType::Wait)),
+        match open(&lazy.pool, lazy.isolation, until, lazy.last).await {
+            Ok(tx) => {
+                self.tx = Some(tx);
+                Ok(())
             }
-            .inspect_err(|e| {
-                if matches!(e, PoolError::Backend(_)) {
-                    self.lost_at_begin = true;
-                }
-            })?;
-            let left = until.saturating_duration_since(Instant::now());
-            let timeouts = Timeouts::within(left, lazy.last);
-            match Tx::begin_bounded(conn, lazy.isolation, timeouts).await {
-                Ok(tx) => {
-                    self.tx = Some(tx);
-                    return Ok(());
-                }
-                Err(failure) => {
-                    let lost = failure.0.transient() == Some(RetryCause::ConnectionLost);
-                    if lost && stale < lazy.pool.status().max_size {
-                        stale += 1;
-                        tracing::debug!(error = %failure.0, "a pooled connection was stale; trying another");
-                        continue;
-                    }
-                    self.lost_at_begin |= lost;
-                    return Err(Error::Begin(failure.0));
-                }
+            Err(Opening::Checkout(err)) => {
+                self.lost_at_begin = matches!(err, PoolError::Backend(_));
+                Err(Error::Pool(err))
+            }
+            Err(Opening::Begin(err)) => {
+                self.lost_at_begin = err.transient() == Some(RetryCause::ConnectionLost);
+                Err(Error::Begin(err))
             }
         }
     }
@@ -227,6 +207,51 @@ impl Attempt {
     pub(crate) fn end_in_background(self) {
         if let Some(tx) = self.tx {
             tx.end_in_background(self.commit_timeout);
+        }
+    }
+}
+
+/// Why a transaction could not be opened.
+pub(crate) enum Opening {
+    /// No connection in time, or none could be set up: nothing ran.
+    Checkout(PoolError),
+    /// `BEGIN` failed.
+    Begin(diesel::result::Error),
+}
+
+/// Check a connection out of `pool` and begin a transaction with
+/// `isolation`, both by `until`, its statements bounded by the time then left
+/// (all of it for a lock wait on the `last` attempt). A connection that broke
+/// while idle in the pool ran nothing, so another is tried at once: one per
+/// connection the pool may hold, so a pool whose connections all went stale
+/// at once (a restarted server, a proxy that dropped them) is worked through
+/// without spending the caller's budget. The one checkout of every attempt,
+/// begun at once or on first use.
+pub(crate) async fn open(
+    pool: &Pool,
+    isolation: Isolation,
+    until: Instant,
+    last: bool,
+) -> Result<Tx, Opening> {
+    let mut stale = 0;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let conn = match tokio::time::timeout(left, pool.get()).await {
+            Ok(checked_out) => checked_out,
+            Err(_elapsed) => Err(PoolError::Timeout(TimeoutType::Wait)),
+        }
+        .map_err(Opening::Checkout)?;
+        let left = until.saturating_duration_since(Instant::now());
+        match Tx::begin(conn, isolation, Timeouts::within(left, last)).await {
+            Ok(tx) => return Ok(tx),
+            Err(failure)
+                if failure.0.transient() == Some(RetryCause::ConnectionLost)
+                    && stale < pool.status().max_size =>
+            {
+                stale += 1;
+                tracing::debug!(error = %failure.0, "a pooled connection was stale; trying another");
+            }
+            Err(failure) => return Err(Opening::Begin(failure.0)),
         }
     }
 }

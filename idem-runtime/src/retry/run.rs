@@ -13,15 +13,13 @@ use diesel_async::AsyncPgConnection;
 use scoped_futures::ScopedBoxFuture;
 use tracing::Instrument;
 
-use super::attempt::{Attempt, Begin};
+use super::attempt::{open, Attempt, Begin, Opening};
 use super::backoff;
 use super::{OnConflict, RetryCause, RetryPolicy, Transient};
 use crate::attempt::{self, AttemptContext, ConflictSlot, ATTEMPT};
 use crate::error::{Error, FromIdemError};
 use crate::pool::{Pool, PoolError};
-use crate::tx::{CommitFailure, Timeouts, Tx};
-
-use deadpool::managed::TimeoutType;
+use crate::tx::CommitFailure;
 
 /// Run `body` as a retried transaction: the closure form of `#[retryable]`.
 ///
@@ -251,7 +249,6 @@ impl<'p> RetryLoop<'p> {
         if attempt::inside_attempt() {
             return Err(Error::Nested);
         }
-        let mut stale = 0;
         self.attempt_started = Instant::now();
         loop {
             let Some(left) = self.time_left() else {
@@ -259,18 +256,23 @@ impl<'p> RetryLoop<'p> {
             };
             self.attempts += 1;
             // The wait for a connection is bounded by the deadline too (and
-            // by the pool's own wait timeout, whichever comes first).
-            let checkout = tokio::time::timeout(left, self.pool.get());
-            let checked_out = match checkout.instrument(self.span.clone()).await {
-                Ok(checked_out) => checked_out,
-                Err(_elapsed) => Err(PoolError::Timeout(TimeoutType::Wait)),
-            };
-            let conn = match checked_out {
-                Ok(conn) => conn,
+            // by the pool's own wait timeout, whichever comes first), and
+            // every statement of the attempt by what is left after it.
+            let until = Instant::now() + left;
+            let opened = open(
+                self.pool,
+                self.policy.isolation,
+                until,
+                self.is_last_attempt(),
+            )
+            .instrument(self.span.clone())
+            .await;
+            let cause = match opened {
+                Ok(tx) => return Ok(Attempt::begun(tx, self.policy.commit_timeout)),
                 // The pool could not set up a new connection (the server went
                 // away, say): nothing ran, and another try may succeed. When
                 // the budget runs out the pool's own error is the answer.
-                Err(PoolError::Backend(err)) => {
+                Err(Opening::Checkout(PoolError::Backend(err))) => {
                     tracing::info!(parent: &self.span, error = %err, "could not set up a connection");
                     if let ControlFlow::Break(_) = self.back_off(RetryCause::ConnectionLost).await {
                         self.record_end("pool_error");
@@ -278,48 +280,21 @@ impl<'p> RetryLoop<'p> {
                     }
                     continue;
                 }
-                Err(err) => {
+                Err(Opening::Checkout(err)) => {
                     self.record_end("pool_error");
                     return Err(Error::Pool(err));
                 }
-            };
-            // Every statement of the attempt is bounded by what is left.
-            let Some(left) = self.time_left() else {
-                self.attempts -= 1;
-                return Err(self.out_of_time());
-            };
-            let timeouts = Timeouts::within(left, self.is_last_attempt());
-            match Tx::begin_bounded(conn, self.policy.isolation, timeouts)
-                .instrument(self.span.clone())
-                .await
-            {
-                Ok(tx) => return Ok(Attempt::begun(tx, self.policy.commit_timeout)),
-                // A connection that broke while idle in the pool: nothing ran
-                // yet, so another connection is always safe to try. A pool
-                // whose connections all went stale at once (a restarted
-                // server, a proxy that dropped them) is worked through at
-                // once, without spending the budget: one free try per
-                // connection the pool may hold.
-                Err(failure)
-                    if failure.0.transient() == Some(RetryCause::ConnectionLost)
-                        && stale < self.pool.status().max_size =>
-                {
-                    stale += 1;
-                    self.attempts -= 1;
-                    tracing::debug!(parent: &self.span, error = %failure.0, "a pooled connection was stale; trying another");
+                Err(Opening::Begin(err)) if err.transient() == Some(RetryCause::ConnectionLost) => {
+                    RetryCause::ConnectionLost
                 }
-                Err(failure) if failure.0.transient() == Some(RetryCause::ConnectionLost) => {
-                    if let ControlFlow::Break(exhausted) =
-                        self.back_off(RetryCause::ConnectionLost).await
-                    {
-                        self.record_end("exhausted");
-                        return Err(exhausted);
-                    }
-                }
-                Err(failure) => {
+                Err(Opening::Begin(err)) => {
                     self.record_end("begin_failed");
-                    return Err(Error::Begin(failure.0));
+                    return Err(Error::Begin(err));
                 }
+            };
+            if let ControlFlow::Break(exhausted) = self.back_off(cause).await {
+                self.record_end("exhausted");
+                return Err(exhausted);
             }
         }
     }

@@ -29,7 +29,6 @@
 //! on the pooled connection (and it holds behind PgBouncer's transaction
 //! pooling).
 
-use std::borrow::Cow;
 use std::time::Duration;
 
 use deadpool::managed::Object;
@@ -73,8 +72,8 @@ impl Isolation {
 pub(crate) struct Tx {
     conn: Option<PooledConnection>,
     open: bool,
-    /// The loop's bounds on its statements, if it set any.
-    timeouts: Option<Timeouts>,
+    /// The loop's bounds on its statements.
+    timeouts: Timeouts,
 }
 
 /// How a `COMMIT` ended, when it did not commit for certain.
@@ -143,41 +142,22 @@ impl Timeouts {
 }
 
 impl Tx {
-    /// `BEGIN` with `isolation` on a connection fresh from the pool, with
-    /// the server's default timeouts.
+    /// `BEGIN` with `isolation` on a connection fresh from the pool, its
+    /// statements bounded by `timeouts`.
     pub(crate) async fn begin(
         conn: PooledConnection,
         isolation: Isolation,
-    ) -> Result<Tx, BeginFailure> {
-        Tx::start(conn, isolation, None).await
-    }
-
-    /// `BEGIN` with `isolation`, its statements bounded by `timeouts`.
-    pub(crate) async fn begin_bounded(
-        conn: PooledConnection,
-        isolation: Isolation,
         timeouts: Timeouts,
-    ) -> Result<Tx, BeginFailure> {
-        Tx::start(conn, isolation, Some(timeouts)).await
-    }
-
-    async fn start(
-        conn: PooledConnection,
-        isolation: Isolation,
-        timeouts: Option<Timeouts>,
     ) -> Result<Tx, BeginFailure> {
         let mut tx = Tx {
             conn: Some(conn),
             open: false,
             timeouts,
         };
-        let sql = match timeouts {
-            Some(timeouts) => Cow::Owned(timeouts.begin_sql(isolation)),
-            None => Cow::Borrowed(isolation.begin_sql()),
-        };
         // From here, whether BEGIN ran is not known until it is answered: a
         // drop closes the connection.
         tx.open = true;
+        let sql = timeouts.begin_sql(isolation);
         match AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await {
             Ok(()) => Ok(tx),
             Err(err) => {
@@ -307,7 +287,7 @@ impl Tx {
     /// before the status arrives).
     pub(crate) fn failure_cause(&self) -> Option<RetryCause> {
         let wire = self.wire()?;
-        let bounds = self.timeouts.map(Timeouts::bounds);
+        let bounds = Some(self.timeouts.bounds());
         let cause = |r: Refusal| from_sqlstate(&r.code, r.ran, bounds);
         wire.abort()
             .or_else(|| wire.pending())
@@ -320,7 +300,7 @@ impl Tx {
     /// savepoint undid (a deadlock inside `conn.transaction(..)` whose error
     /// the body passed on), when it is worth replaying for.
     pub(crate) fn error_cause(&self) -> Option<RetryCause> {
-        let bounds = self.timeouts.map(Timeouts::bounds);
+        let bounds = Some(self.timeouts.bounds());
         self.failure_cause().or_else(|| {
             self.wire()?
                 .refusals()
