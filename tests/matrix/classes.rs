@@ -6,7 +6,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::RetryCause;
 use tokio::task::JoinHandle;
 
-use super::Env;
+use super::{wait_for_backend, Env};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Class {
@@ -139,7 +139,7 @@ impl Side {
                         .unwrap();
                 });
                 *self.task.lock().unwrap() = Some(task);
-                env.wait_for_backend(pid, "wait_event_type = 'Lock'").await;
+                wait_for_backend(&env.client, pid, "wait_event_type = 'Lock'").await;
             }
             Class::ConnectionLost => {
                 let pid: i32 = diesel::select(diesel::dsl::sql::<diesel::sql_types::Integer>(
@@ -151,23 +151,7 @@ impl Side {
                 let url = env.db.url().to_owned();
                 let task = tokio::spawn(async move {
                     let killer = idem_testing::connect(&url).await.unwrap();
-                    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
-                    loop {
-                        let waiting: bool = killer
-                            .query_one(
-                                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
-                                 WHERE pid = $1 AND wait_event_type = 'Lock')",
-                                &[&pid],
-                            )
-                            .await
-                            .unwrap()
-                            .get(0);
-                        if waiting {
-                            break;
-                        }
-                        assert!(std::time::Instant::now() < until, "{pid} never waited");
-                        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                    }
+                    wait_for_backend(&killer, pid, "wait_event_type = 'Lock'").await;
                     killer
                         .query_one("SELECT pg_terminate_backend($1)", &[&pid])
                         .await

@@ -153,26 +153,24 @@ impl Env {
             .unwrap()
             .get(0)
     }
+}
 
-    /// Wait until backend `pid` satisfies `condition` (SQL over pg_stat_activity).
-    pub async fn wait_for_backend(&self, pid: i32, condition: &str) {
-        let query = format!(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND {condition})"
+/// Wait until backend `pid` satisfies `condition` (SQL over pg_stat_activity).
+pub async fn wait_for_backend(client: &tokio_postgres::Client, pid: i32, condition: &str) {
+    let query =
+        format!("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND {condition})");
+    let until = Instant::now() + Duration::from_secs(20);
+    while !client
+        .query_one(&query, &[&pid])
+        .await
+        .unwrap()
+        .get::<_, bool>(0)
+    {
+        assert!(
+            Instant::now() < until,
+            "backend {pid} never reached {condition}"
         );
-        let until = Instant::now() + Duration::from_secs(20);
-        while !self
-            .client
-            .query_one(&query, &[&pid])
-            .await
-            .unwrap()
-            .get::<_, bool>(0)
-        {
-            assert!(
-                Instant::now() < until,
-                "backend {pid} never reached {condition}"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
