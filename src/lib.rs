@@ -26,7 +26,8 @@ pub type IdempotencyError = Error;
 /// Building the connection pool every call checks its attempts out of.
 pub mod pool {
     pub use idem_runtime::pool::{
-        build_pool, build_pool_with, PoolConfig, PooledConnection, Pooler,
+        build_pool, build_pool_with, BuildError, Connection, Manager, Pool, PoolConfig, PoolError,
+        PooledConnection, Pooler,
     };
 }
 

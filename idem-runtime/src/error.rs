@@ -57,6 +57,18 @@ pub enum Error {
     /// into a rollback. The transaction was rolled back; nothing was committed.
     #[error("the transaction was rolled back: the body returned Ok, but one of its statements had failed and its error was ignored")]
     RolledBack,
+    /// The body ended idem's transaction itself, or began another: a
+    /// `COMMIT`, `ROLLBACK`, `BEGIN` or `PREPARE TRANSACTION` of its own (use
+    /// `conn.transaction(..)`, a savepoint, instead), or a statement whose
+    /// failure ends the transaction on the server. Not replayed: what it had
+    /// written before was committed when `committed` is true (the attempt's
+    /// atomicity is gone, and a replay would write it again), and nothing
+    /// after it was. A bug in the body (500).
+    #[error("the body ended idem's transaction itself (a COMMIT, ROLLBACK, BEGIN or PREPARE TRANSACTION of its own, or a statement that ended it): {}; not replayed", if *committed { "what it had written before was committed" } else { "nothing was committed" })]
+    TransactionEnded {
+        /// What the body had written before was committed (or prepared).
+        committed: bool,
+    },
     /// `COMMIT` was answered with an error that is not replayable (a deferred
     /// constraint, say): nothing was committed.
     #[error("COMMIT failed, nothing was committed: {0}")]

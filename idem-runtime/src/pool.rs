@@ -41,7 +41,7 @@ use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use tokio_postgres::config::{Host, SslMode, SslNegotiation};
 
-pub(crate) use wire::{Refusal, Wire};
+pub(crate) use wire::{Marks, Refusal, Wire};
 
 /// Ask for the server's messages in the C locale, where the server lets us.
 ///
@@ -138,6 +138,11 @@ pub enum BuildError {
     /// The URL names a Unix socket directory; idem's connections are TCP.
     #[error("the database URL names a Unix socket ({0}); idem's pool connects over TCP: give host=127.0.0.1 (or the server's address) instead")]
     UnixSocket(String),
+    /// The URL names no server (no `host`), which would send every checkout
+    /// to the default Unix socket; give `host=127.0.0.1` or the server's
+    /// address.
+    #[error("the database URL names no host; give the server's address, e.g. postgres://user@127.0.0.1:5432/db")]
+    NoHost,
     /// deadpool refused the settings.
     #[error(transparent)]
     Pool(#[from] deadpool::managed::BuildError),
@@ -326,6 +331,9 @@ pub fn build_pool_with(database_url: &str, config: &PoolConfig) -> Result<Pool, 
     if let Some(Host::Unix(path)) = pg.get_hosts().iter().find(|h| matches!(h, Host::Unix(_))) {
         return Err(BuildError::UnixSocket(path.display().to_string()));
     }
+    if pg.get_hosts().is_empty() && pg.get_hostaddrs().is_empty() {
+        return Err(BuildError::NoHost);
+    }
     // See the module docs: the observer enters as the "TLS" stream.
     pg.ssl_mode(SslMode::Require)
         .ssl_negotiation(SslNegotiation::Direct);
@@ -359,5 +367,11 @@ mod tests {
             build_pool("not a url at all"),
             Err(BuildError::InvalidUrl(_))
         ));
+        for no_host in ["", "postgres://postgres@/postgres", "user=postgres"] {
+            assert!(
+                matches!(build_pool(no_host), Err(BuildError::NoHost)),
+                "{no_host:?}"
+            );
+        }
     }
 }

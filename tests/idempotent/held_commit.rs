@@ -1,8 +1,9 @@
 //! `commit_timeout_ms` bounds the wait for COMMIT's answer in every mode:
 //! a COMMIT the server holds (a deferred trigger that sleeps 3 s, as a
 //! synchronous standby that stopped answering would) is answered
-//! `CommitUnknown`, or for a final error stored alone, stored again, well
-//! under a second; and the key then replays or runs once, never twice. Runs
+//! `CommitUnknown` (a final error stored alone: the decline itself; an
+//! external claim: claimed again) well under a second; and the key then
+//! replays or runs once, never twice. Runs
 //! direct and through PgBouncer (`IDEM_TEST_VIA=pgbouncer`).
 
 use super::*;
@@ -125,13 +126,13 @@ async fn a_held_local_commit_is_commit_unknown_within_the_commit_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_held_final_error_store_is_stored_again_within_the_commit_timeout() {
+async fn a_held_final_error_store_is_answered_within_the_commit_timeout() {
     let env = held_env().await;
     let started = Instant::now();
     let result = local_decline(&env.pool, "held-decline", "decline").await;
     let elapsed = started.elapsed();
-    // Only the record was in the held transaction: the next attempt reads
-    // whether it committed, and stores it if not.
+    // Only the record was in the held transaction: the decline is the
+    // answer whether it was stored or not.
     assert!(matches!(result, Err(AppError::Declined(_))), "{result:?}");
     assert!(elapsed < finding_out(&env), "{elapsed:?}");
     tokio::time::sleep(Duration::from_secs(4)).await;

@@ -34,6 +34,7 @@ use idem::{Isolation, Pool, RetryCause, RetryPolicy, Versioned, VersionedChanges
 use idem_testing::TestDatabase;
 use scoped_futures::ScopedFutureExt;
 
+mod by_hand;
 mod classes;
 mod shapes;
 
@@ -83,6 +84,7 @@ const SCHEMA: &str = "
     CREATE TABLE uniq (id bigint PRIMARY KEY);
     INSERT INTO uniq VALUES (1);
     CREATE TABLE sink (v bigint NOT NULL);
+    CREATE TABLE deferred_unique (id bigint, UNIQUE (id) DEFERRABLE INITIALLY DEFERRED);
     -- The failures, each a bigint-valued function any shape can run.
     CREATE FUNCTION matrix_lock(r bigint) RETURNS bigint LANGUAGE plpgsql AS
         $$ BEGIN PERFORM 1 FROM counters WHERE id = r FOR UPDATE; RETURN r; END $$;
@@ -121,7 +123,7 @@ pub struct Env {
 }
 
 impl Env {
-    async fn new() -> Env {
+    pub async fn new() -> Env {
         let db = TestDatabase::create()
             .await
             .expect("create the test database");
@@ -146,7 +148,7 @@ impl Env {
         Env { pool, client, db }
     }
 
-    async fn effects(&self, cell: &str) -> i64 {
+    pub async fn effects(&self, cell: &str) -> i64 {
         self.client
             .query_one("SELECT count(*) FROM effects WHERE cell = $1", &[&cell])
             .await
@@ -249,7 +251,7 @@ async fn cell(env: &Env, shape: Shape, class: Class, body: Body, row: i64) {
     );
 }
 
-async fn record_effect(
+pub async fn record_effect(
     conn: &mut AsyncPgConnection,
     cell: &str,
     attempt: u32,

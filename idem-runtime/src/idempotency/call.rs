@@ -243,10 +243,15 @@ impl<E> Call<E> {
                     Some(written.map(|(step, kept)| {
                         self.completed = kept;
                         match step {
-                            // Nothing but the record was in the transaction:
-                            // the next attempt reads whether it committed.
+                            // Nothing but the record was in the transaction,
+                            // and the decline is the answer whether it was
+                            // stored or not (a retry with the key then replays
+                            // it, or runs again and declines again): a COMMIT
+                            // that keeps going unanswered must not hold the
+                            // answer past `commit_timeout`.
                             Step::Committed(Err(CommitFailure::Unknown)) => {
-                                Step::Again(Duration::ZERO)
+                                tracing::warn!(key = %self.request.key(), "storing a final error got no answer to COMMIT; answered, maybe unrecorded");
+                                Step::Committed(Ok(Reply::FinalStored))
                             }
                             step => answer(step, Reply::FinalStored),
                         }

@@ -45,6 +45,29 @@ pub(crate) struct Wire {
     answered: Notify,
 }
 
+/// Counts of transaction control on a connection: compared before and after
+/// a body, they tell whether the body ended (or began) a transaction itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Marks {
+    /// `ReadyForQuery` with status idle: no transaction open.
+    idles: u64,
+    /// `COMMIT` (`AND CHAIN` too) and `PREPARE TRANSACTION` completed: a
+    /// transaction's writes kept, or handed to a two-phase commit.
+    commits: u64,
+    /// `BEGIN` and `START TRANSACTION` completed.
+    begins: u64,
+}
+
+impl Marks {
+    /// Since `earlier`, a transaction ended or began (`Some`), and whether one
+    /// was committed or prepared (`Some(true)`).
+    pub(crate) fn since(self, earlier: Marks) -> Option<bool> {
+        let ended = self.idles > earlier.idles || self.begins > earlier.begins;
+        let committed = self.commits > earlier.commits;
+        (ended || committed).then_some(committed)
+    }
+}
+
 /// A statement the server refused: its SQLSTATE, and how long it ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Refusal {
@@ -58,6 +81,9 @@ struct State {
     status: u8,
     /// `CommandComplete` messages tagged `ROLLBACK` so far.
     rollbacks: u64,
+    /// Transaction control seen so far, to tell a transaction that a body
+    /// ended or began itself (see [`Marks`]).
+    marks: Marks,
     /// The socket ended or failed.
     closed: bool,
     /// The refusal that made the transaction a failed one, until a rollback
@@ -102,6 +128,11 @@ impl Wire {
         self.state().rollbacks
     }
 
+    /// The transaction control seen so far.
+    pub(crate) fn marks(&self) -> Marks {
+        self.state().marks
+    }
+
     /// The socket ended or failed.
     pub(crate) fn closed(&self) -> bool {
         self.state().closed
@@ -110,16 +141,22 @@ impl Wire {
     /// Idle, with every request answered: safe to hand out again. Answers
     /// still on their way get up to `settle` to arrive.
     pub(crate) async fn idle(&self, settle: Duration) -> bool {
-        let until = tokio::time::Instant::now() + settle;
+        self.settled(settle).await && {
+            let state = self.state();
+            state.status == b'I' && !state.closed
+        }
+    }
+
+    /// Wait up to `within` for every request sent to be answered (or the
+    /// connection to end); false when one still runs then.
+    pub(crate) async fn settled(&self, within: Duration) -> bool {
+        let until = tokio::time::Instant::now() + within;
         loop {
             let answered = self.answered.notified();
             {
                 let state = self.state();
-                if state.closed {
-                    return false;
-                }
-                if state.sent.is_empty() {
-                    return state.status == b'I';
+                if state.closed || state.sent.is_empty() {
+                    return true;
                 }
             }
             if tokio::time::timeout_at(until, answered).await.is_err() {
@@ -175,12 +212,19 @@ impl Wire {
             _ => {}
         }
         state.status = status;
+        state.marks.idles += u64::from(status == b'I');
         drop(state);
         self.answered.notify_waiters();
     }
 
-    fn on_rollback(&self) {
-        self.state().rollbacks += 1;
+    fn on_complete(&self, tag: &[u8]) {
+        let mut state = self.state();
+        match tag {
+            b"ROLLBACK" => state.rollbacks += 1,
+            b"COMMIT" | b"PREPARE TRANSACTION" => state.marks.commits += 1,
+            b"BEGIN" | b"START TRANSACTION" => state.marks.begins += 1,
+            _ => {}
+        }
     }
 
     fn on_closed(&self) {
@@ -329,7 +373,7 @@ impl<S> Observed<S> {
         self.backend.feed(bytes, |kind, body| match kind {
             b'Z' => wire.on_ready(body.first().copied().unwrap_or(0)),
             b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), fatal(body)),
-            b'C' if body.strip_suffix(&[0]).unwrap_or(body) == b"ROLLBACK" => wire.on_rollback(),
+            b'C' => wire.on_complete(body.strip_suffix(&[0]).unwrap_or(body)),
             _ => {}
         });
     }
@@ -507,6 +551,32 @@ mod tests {
             .build()
             .unwrap()
             .block_on(f)
+    }
+
+    #[test]
+    fn transaction_control_is_counted() {
+        let mut o = observed();
+        o.read(&message(b'C', b"BEGIN\0"));
+        o.read(&message(b'Z', b"T"));
+        let begun = o.wire.marks();
+        // A savepoint rolled back: no transaction ended.
+        o.read(&message(b'C', b"ROLLBACK\0"));
+        o.read(&message(b'Z', b"T"));
+        assert_eq!(o.wire.marks().since(begun), None);
+        // COMMIT AND CHAIN: committed, still in a transaction.
+        o.read(&message(b'C', b"COMMIT\0"));
+        o.read(&message(b'Z', b"T"));
+        assert_eq!(o.wire.marks().since(begun), Some(true));
+        // A ROLLBACK then a BEGIN in one simple query: ended, nothing kept.
+        let before = o.wire.marks();
+        o.read(&message(b'C', b"ROLLBACK\0"));
+        o.read(&message(b'C', b"BEGIN\0"));
+        o.read(&message(b'Z', b"T"));
+        assert_eq!(o.wire.marks().since(before), Some(false));
+        // Ended by the server: idle.
+        let before = o.wire.marks();
+        o.read(&message(b'Z', b"I"));
+        assert_eq!(o.wire.marks().since(before), Some(false));
     }
 
     #[test]

@@ -188,6 +188,12 @@ impl Attempt {
         }
     }
 
+    /// Whether the body ended (or began) a transaction itself; `Some(true)`
+    /// when it committed what it had written.
+    pub(crate) fn ended_by_body(&self) -> Option<bool> {
+        self.tx.as_ref().and_then(Tx::ended_by_body)
+    }
+
     pub(crate) async fn commit(&mut self) -> Result<(), CommitFailure> {
         match self.tx.as_mut() {
             Some(tx) => tx.commit(self.commit_timeout).await,

@@ -383,6 +383,14 @@ impl<'p> RetryLoop<'p> {
                 // What failed on the attempt decides, not the error the body
                 // chose to return: a dead transaction is replayed whatever
                 // the body made of its error.
+                if let Some(committed) = attempt.ended_by_body() {
+                    // What the body committed by hand must not be written again.
+                    attempt.roll_back().instrument(self.span.clone()).await;
+                    return self.done(
+                        Err(E::from(Error::TransactionEnded { committed })),
+                        "ended_by_body",
+                    );
+                }
                 let observed = attempt.failure_cause().or_else(|| self.conflict.take());
                 let lost = attempt.roll_back().instrument(self.span.clone()).await;
                 let observed = observed.or(lost.then_some(RetryCause::ConnectionLost));
@@ -435,6 +443,9 @@ impl<'p> RetryLoop<'p> {
                 "commit_unknown",
             ),
             CommitFailure::RolledBack(_) => (Error::RolledBack, "rolled_back"),
+            CommitFailure::EndedByBody { committed } => {
+                (Error::TransactionEnded { committed }, "ended_by_body")
+            }
             CommitFailure::Failed(err) => (Error::Commit(err), "commit_failed"),
         };
         self.done(Err(E::from(err)), label)

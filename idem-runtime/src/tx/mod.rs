@@ -36,7 +36,7 @@ use diesel::result::Error as DieselError;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 
 use crate::cause::{from_sqlstate, Bounds, RetryCause, Transient};
-use crate::pool::{PooledConnection, Refusal, Wire};
+use crate::pool::{Marks, PooledConnection, Refusal, Wire};
 
 mod pipeline;
 pub(crate) use pipeline::{Closing, Pipelined};
@@ -74,6 +74,8 @@ pub(crate) struct Tx {
     open: bool,
     /// The loop's bounds on its statements.
     timeouts: Timeouts,
+    /// The connection's transaction control once `BEGIN` was answered.
+    begun: Marks,
 }
 
 /// How a `COMMIT` ended, when it did not commit for certain.
@@ -89,6 +91,12 @@ pub enum CommitFailure {
     RolledBack(Option<RetryCause>),
     /// `COMMIT` was answered with an error: nothing was committed.
     Failed(DieselError),
+    /// The body ended the transaction itself (or began another): `committed`
+    /// when what it had written by then was committed (or prepared).
+    EndedByBody {
+        /// Something was committed.
+        committed: bool,
+    },
 }
 
 /// Why `BEGIN` failed; the connection is already discarded.
@@ -153,13 +161,17 @@ impl Tx {
             conn: Some(conn),
             open: false,
             timeouts,
+            begun: Marks::default(),
         };
         // From here, whether BEGIN ran is not known until it is answered: a
         // drop closes the connection.
         tx.open = true;
         let sql = timeouts.begin_sql(isolation);
         match AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await {
-            Ok(()) => Ok(tx),
+            Ok(()) => {
+                tx.begun = tx.wire().map(Wire::marks).unwrap_or_default();
+                Ok(tx)
+            }
             Err(err) => {
                 tx.discard();
                 Err(BeginFailure(err))
@@ -187,10 +199,8 @@ impl Tx {
     /// Commit, unless the server reports the transaction failed; `timeout`
     /// bounds the wait for the server's answer.
     pub(crate) async fn commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
-        if self.wire().is_some_and(Wire::unfinished) {
-            let cause = self.failure_cause();
-            self.roll_back(timeout).await;
-            return Err(CommitFailure::RolledBack(cause));
+        if let Some(refusal) = self.refuse(timeout).await {
+            return Err(refusal);
         }
         let rollbacks = self.wire().map_or(0, Wire::rollbacks);
         let committed = tokio::time::timeout(
@@ -281,6 +291,43 @@ impl Tx {
     /// no savepoint undid it and the failure is worth replaying the
     /// transaction for; or the connection was lost.
     ///
+    /// Whether the body ended (or began) a transaction itself since `BEGIN`
+    /// (a `COMMIT`, `ROLLBACK`, `BEGIN` or `PREPARE TRANSACTION` of its own,
+    /// or a statement whose failure ended the transaction): `Some(true)` when
+    /// it committed (or prepared) what it had written by then.
+    pub(crate) fn ended_by_body(&self) -> Option<bool> {
+        self.wire()?.marks().since(self.begun)
+    }
+
+    /// Why this transaction must not be committed, if it must not: the body
+    /// ended it itself, or it failed, or its connection is gone. It is
+    /// rolled back (which also ends a transaction the body began itself).
+    ///
+    /// It first waits (up to `timeout`) for the body's statements still
+    /// owed an answer: a statement's error arrives before the status that
+    /// says what it did to the transaction, and a statement whose future
+    /// the body dropped may still run. One still running then is cancelled
+    /// with its transaction: nothing is committed, for certain.
+    pub(crate) async fn refuse(&mut self, timeout: Duration) -> Option<CommitFailure> {
+        if let Some(wire) = self.wire() {
+            if !wire.settled(timeout).await {
+                tracing::warn!("a statement of the transaction still runs at COMMIT (its future was dropped?); rolling back");
+                let cause = self.failure_cause();
+                self.cancel_and_discard();
+                return Some(CommitFailure::RolledBack(cause));
+            }
+        }
+        let refusal = match self.ended_by_body() {
+            Some(committed) => CommitFailure::EndedByBody { committed },
+            None if self.wire().is_some_and(Wire::unfinished) => {
+                CommitFailure::RolledBack(self.failure_cause())
+            }
+            None => return None,
+        };
+        self.roll_back(timeout).await;
+        Some(refusal)
+    }
+
     /// The refusal that failed the transaction, or the one of the request
     /// still being answered (the server sends an error the moment it is
     /// raised, and its `ReadyForQuery` after it: a body may return the error

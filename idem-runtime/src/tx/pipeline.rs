@@ -60,10 +60,8 @@ impl Tx {
         timeout: Duration,
         last: &P,
     ) -> Result<P::Output, Closing> {
-        if self.wire().is_some_and(super::Wire::unfinished) {
-            let cause = self.failure_cause();
-            self.roll_back(timeout).await;
-            return Err(Closing::Commit(CommitFailure::RolledBack(cause)));
+        if let Some(refusal) = self.refuse(timeout).await {
+            return Err(Closing::Commit(refusal));
         }
         match last.send(self.conn()).await {
             Ok(output) => self
