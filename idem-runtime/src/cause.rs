@@ -94,7 +94,7 @@ impl fmt::Display for RetryCause {
 ///
 /// The retry loop does not ask your error type, nor this trait: it reads the
 /// SQLSTATE of every failed statement off the attempt's connection
-/// ([`from_sqlstate`]), and counts the version conflicts of its versioned
+/// (`from_sqlstate` in `cause.rs`), and counts the version conflicts of its versioned
 /// writes. This trait's implementations (for diesel's error and
 /// `VersionedError`) are for code that classifies by hand (a handler
 /// choosing a status, say); they read the server's message where diesel

@@ -1,7 +1,7 @@
 //! The connection pool every retry loop checks its attempts out of.
 //!
 //! A deadpool pool of diesel-async [`AsyncPgConnection`]s, each of which idem
-//! reads on the wire ([`wire`]): whatever diesel call a body runs a statement
+//! reads on the wire (`pool/wire.rs`): whatever diesel call a body runs a statement
 //! through, the server's own word on the transaction (a failed statement's
 //! SQLSTATE, a transaction left failed, a `COMMIT` answered `ROLLBACK`)
 //! reaches the transaction driver. A checkout rejects a connection that is

@@ -189,7 +189,7 @@ impl Tx {
             .conn
             .as_mut()
             .expect("a transaction's connection is only discarded when it ends");
-        &mut ***conn
+        conn
     }
 
     fn wire(&self) -> Option<&Wire> {
