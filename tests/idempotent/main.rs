@@ -20,13 +20,13 @@ use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, Semaphore};
 
+mod closing;
 mod derived_keys;
 mod external;
 mod held_commit;
 mod hostile;
 mod local;
 mod one_write;
-mod pipelined;
 mod retention;
 mod stacking;
 mod stored;

@@ -1,12 +1,12 @@
-//! Local mode sends its lock and read with `BEGIN` and its record with
-//! `COMMIT`, one round trip each. What that must never do: commit the body
-//! without its record. A record of the key that appears between the read and
-//! the record's write (here an external-mode claim, which does not queue on
-//! local mode's advisory lock) makes the record's statement fail, and the
-//! `COMMIT` sent behind it then rolls the body back. Both are shown on a
-//! fresh connection, where neither statement is prepared yet (the record's
-//! preparation comes between the two sends), and on a warm one; every effect
-//! is counted in the database.
+//! Local mode writes its record just before `COMMIT`. What that must never
+//! do: commit the body without its record. A record of the key that appears
+//! between the read and the record's write (here an external-mode claim,
+//! which does not queue on local mode's advisory lock) makes the record's
+//! statement fail, and the transaction is rolled back, never committed. Both
+//! are shown on a fresh connection, where no statement is prepared yet, and
+//! on a warm one; every effect is counted in the database. (These tests were
+//! written when the record went out with `COMMIT` in one round trip; the
+//! promise they pin stands.)
 
 use super::*;
 
