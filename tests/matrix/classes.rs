@@ -73,16 +73,7 @@ pub struct Side {
 impl Side {
     pub async fn prepare(env: &Env, class: Class, row: i64) -> Side {
         let holder = match class {
-            Class::LockTimeout | Class::ConnectionLost => {
-                let holder = idem_testing::connect(env.db.url()).await.unwrap();
-                holder
-                    .batch_execute(&format!(
-                        "BEGIN; SELECT 1 FROM counters WHERE id = {row} FOR UPDATE"
-                    ))
-                    .await
-                    .unwrap();
-                Some(holder)
-            }
+            Class::LockTimeout | Class::ConnectionLost => Some(env.hold_row(row).await),
             _ => None,
         };
         Side {

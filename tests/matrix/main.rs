@@ -148,6 +148,18 @@ impl Env {
         Env { pool, client, db }
     }
 
+    /// Another session, holding `row` of `counters` locked until it rolls back.
+    pub async fn hold_row(&self, row: i64) -> tokio_postgres::Client {
+        let holder = idem_testing::connect(self.db.url()).await.unwrap();
+        holder
+            .batch_execute(&format!(
+                "BEGIN; SELECT 1 FROM counters WHERE id = {row} FOR UPDATE"
+            ))
+            .await
+            .unwrap();
+        holder
+    }
+
     pub async fn effects(&self, cell: &str) -> i64 {
         self.client
             .query_one("SELECT count(*) FROM effects WHERE cell = $1", &[&cell])
@@ -318,13 +330,7 @@ async fn other_errors_are_the_bodys_and_never_commit() {
 async fn a_versioned_update_on_a_held_row_is_replayed_until_the_deadline() {
     let env = Env::new().await;
     for (row, body) in [(900, Body::Returns), (901, Body::Swallows)] {
-        let holder = idem_testing::connect(env.db.url()).await.unwrap();
-        holder
-            .batch_execute(&format!(
-                "BEGIN; SELECT 1 FROM counters WHERE id = {row} FOR UPDATE"
-            ))
-            .await
-            .unwrap();
+        let holder = env.hold_row(row).await;
         let runs = AtomicU32::new(0);
         let started = Instant::now();
         let policy = RetryPolicy::new()
