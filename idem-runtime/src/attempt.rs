@@ -56,25 +56,36 @@ pub(crate) struct AttemptContext {
 }
 
 /// The outbox's view of one attempt: how many events it emitted so far, and
-/// the idempotent call (scope hash and key) it runs for, if any.
+/// the idempotent call it runs for, if any.
 #[derive(Debug, Default)]
 pub(crate) struct EmitState {
     ordinal: std::sync::atomic::AtomicU32,
-    call: OnceLock<(String, String)>,
+    call: OnceLock<CallId>,
 }
 
-/// Tell the current attempt which idempotent call it runs for (scope hash,
-/// key): the outbox derives its event ids from them. Called by
-/// `idempotency::Call::enter`, once per attempt.
-pub(crate) fn note_call(scope: &str, key: &str) {
+/// Which idempotent call an attempt runs for: the stored scope (hash), the
+/// key, and the call's own random token. The token is what tells two
+/// requests apart that reuse a key after its record expired; the attempts
+/// of one call share it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CallId {
+    pub(crate) scope: String,
+    pub(crate) key: String,
+    pub(crate) token: [u8; 16],
+}
+
+/// Tell the current attempt which idempotent call it runs for: the outbox
+/// derives its event ids from it. Called by `idempotency::Call::enter`, once
+/// per attempt.
+pub(crate) fn note_call(call: impl FnOnce() -> CallId) {
     let _ = ATTEMPT.try_with(|ctx| {
-        let _ = ctx.emits.call.set((scope.to_owned(), key.to_owned()));
+        let _ = ctx.emits.call.set(call());
     });
 }
 
 /// For an emit inside an attempt: its ordinal in the attempt (0 first), and
 /// the idempotent call the attempt runs for. `None` outside an attempt.
-pub(crate) fn next_emit() -> Option<(u32, Option<(String, String)>)> {
+pub(crate) fn next_emit() -> Option<(u32, Option<CallId>)> {
     ATTEMPT
         .try_with(|ctx| {
             let n = ctx.emits.ordinal.fetch_add(1, Ordering::AcqRel);

@@ -22,6 +22,7 @@ use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 mod poison;
 mod redelivery;
 mod retention;
+mod reused_key;
 
 #[derive(Debug, thiserror::Error)]
 enum AppError {

@@ -207,7 +207,11 @@ impl<E> Call<E> {
         E: IdempotentError,
     {
         // The outbox derives deterministic event ids from the call.
-        crate::attempt::note_call(self.request.scope(), self.request.key());
+        crate::attempt::note_call(|| crate::attempt::CallId {
+            scope: self.request.scope().to_owned(),
+            key: self.request.key().to_owned(),
+            token: *self.request.token(),
+        });
         // What an earlier attempt wrote did not commit.
         self.completed = None;
         let external = self.request.external();

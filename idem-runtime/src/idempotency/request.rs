@@ -118,6 +118,13 @@ impl Request {
         self.config.mode == Mode::External
     }
 
+    /// This call's random token: its claim's owner in external mode, and
+    /// in every mode what tells its event ids from those of another request
+    /// that reuses the key after the record expired.
+    pub(crate) fn token(&self) -> &[u8; 16] {
+        &self.owner
+    }
+
     /// The owner token of this call's claim (external mode).
     pub(crate) fn owner(&self) -> Option<&[u8]> {
         self.external().then_some(&self.owner[..])

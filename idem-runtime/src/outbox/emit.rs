@@ -119,7 +119,7 @@ pub async fn emit<E: Event>(conn: &mut AsyncPgConnection, event: &E) -> Result<E
 
     let (ordinal, call) = crate::attempt::next_emit().ok_or(EmitError::OutsideAttempt)?;
     let id = match call {
-        Some((scope, call_key)) => event::deterministic_id(&scope, &call_key, ordinal),
+        Some(call) => event::deterministic_id(&call, ordinal),
         None => event::time_ordered_id(),
     };
     let row: Seq = diesel::sql_query(INSERT_SQL)

@@ -5,6 +5,8 @@ use std::fmt;
 use serde::Serialize;
 use uuid::Uuid;
 
+use crate::attempt::CallId;
+
 /// A typed event that [`emit`](super::emit) can write to the outbox.
 ///
 /// ```
@@ -40,9 +42,10 @@ pub trait Event: Serialize {
 /// The id of an emitted event; the broker deduplicates on it
 /// (`Nats-Msg-Id`).
 ///
-/// Inside an idempotent call it is a UUIDv5 of the call's scope, key and the
-/// event's ordinal in the attempt, so a request run again emits the same ids;
-/// elsewhere a UUIDv7, ordered by time.
+/// Inside an idempotent call it is a UUIDv5 of the call's scope, key, random
+/// token and the event's ordinal in the attempt: every attempt of one
+/// request emits the same ids, and a request that reuses a key after its
+/// record expired emits new ones. Elsewhere a UUIDv7, ordered by time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct EventId(pub(crate) Uuid);
 
@@ -69,11 +72,17 @@ impl fmt::Display for EventId {
 const NAMESPACE: Uuid = Uuid::from_u128(0x6a0f_4e2c_93b1_4d7e_8c5a_2f1e_7b9d_3c40);
 
 /// The id of the `ordinal`-th event (0 first) emitted by an attempt of the
-/// idempotent call (`scope` hash, `key`). The parts are joined with NUL, which
-/// neither a scope hash nor a valid key contains, so no two calls share ids.
-pub(crate) fn deterministic_id(scope: &str, key: &str, ordinal: u32) -> EventId {
-    let name = format!("idem-outbox-v1\0{scope}\0{key}\0{ordinal}");
-    EventId(Uuid::new_v5(&NAMESPACE, name.as_bytes()))
+/// idempotent call `call`. The scope hash and the key are joined with NUL,
+/// which neither contains, and the token has a fixed length, so no two calls
+/// share ids. The token is there because (scope, key) names a request only
+/// while its record lives: a key reused after expiry is a new request, and
+/// its events must not be taken for the first one's copies, neither by the
+/// outbox's primary key nor by a consumer's inbox.
+pub(crate) fn deterministic_id(call: &CallId, ordinal: u32) -> EventId {
+    let mut name = format!("idem-outbox-v2\0{}\0{}\0", call.scope, call.key).into_bytes();
+    name.extend_from_slice(&call.token);
+    name.extend_from_slice(&ordinal.to_be_bytes());
+    EventId(Uuid::new_v5(&NAMESPACE, &name))
 }
 
 /// A fresh time-ordered id, for events emitted outside an idempotent call.
@@ -156,12 +165,18 @@ mod tests {
 
     #[test]
     fn deterministic_ids_depend_on_every_part() {
-        let id = deterministic_id("s", "k", 0);
-        assert_eq!(id, deterministic_id("s", "k", 0));
+        let call = |scope: &str, key: &str, token: u8| CallId {
+            scope: scope.to_owned(),
+            key: key.to_owned(),
+            token: [token; 16],
+        };
+        let id = deterministic_id(&call("s", "k", 1), 0);
+        assert_eq!(id, deterministic_id(&call("s", "k", 1), 0));
         assert_eq!(id.as_uuid().get_version_num(), 5);
-        assert_ne!(id, deterministic_id("s", "k", 1));
-        assert_ne!(id, deterministic_id("t", "k", 0));
-        assert_ne!(id, deterministic_id("s", "j", 0));
+        assert_ne!(id, deterministic_id(&call("s", "k", 1), 1));
+        assert_ne!(id, deterministic_id(&call("t", "k", 1), 0));
+        assert_ne!(id, deterministic_id(&call("s", "j", 1), 0));
+        assert_ne!(id, deterministic_id(&call("s", "k", 2), 0));
     }
 
     #[test]
