@@ -47,6 +47,8 @@
 //! | 6 | `inbox` | the table `idem_inbox` of messages a consumer has settled, see [`inbox`](crate::inbox) |
 //! | 7 | `version_guard_identity` | replaces `idem_version_guard()` (identity columns, INSERT and DELETE); the table `idem_version_tombstones` and the function `idem_purge_version_tombstones(interval)`, see [`backstop`](crate::versioned::backstop#versions-never-repeat) |
 //! | 8 | `jobs` | the table `idem_jobs` of delayed compensation jobs, see [`jobs`](crate::jobs) |
+//! | 9 | `record_taken` | the function `idem_record_taken()`, which a local record's takeover of a live key raises (SQLSTATE IDR01) instead of writing nothing |
+//! | 10 | `jobs_collapsed` | the columns `idem_jobs.collapsed` (enqueues collapsed into a job, so a run that ends with more than it began with leaves the job due again) and `idem_jobs.ladder_from` (where the ladder last started afresh; `attempts` is never reset), see [`jobs`](crate::jobs) |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -170,6 +172,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 9,
         name: "record_taken",
         sql: include_str!("../migrations/0009_record_taken.sql"),
+    },
+    Migration {
+        version: 10,
+        name: "jobs_collapsed",
+        sql: include_str!("../migrations/0010_jobs_collapsed.sql"),
     },
 ];
 

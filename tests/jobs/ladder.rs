@@ -117,10 +117,16 @@ async fn a_dead_job_is_requeued_and_runs_again() {
         env.jobs("a").await,
         [(
             "due".to_owned(),
-            0,
+            1,
             Some("refused: the payment provider is down".to_owned())
         )],
-        "due again, run count reset, last error kept"
+        "due again, last error kept; the run count is every run's token and stays"
+    );
+    assert_eq!(
+        env.scalar("SELECT ladder_from::bigint FROM idem_jobs WHERE key = 'a'")
+            .await,
+        1,
+        "the ladder starts afresh from here"
     );
     broken.store(false, Ordering::SeqCst);
     assert_eq!(worker.run_once().await.expect("round").done, 1);
@@ -142,6 +148,34 @@ async fn a_dead_job_is_requeued_and_runs_again() {
     );
     let states: Vec<String> = env.jobs("b").await.into_iter().map(|j| j.0).collect();
     assert_eq!(states, ["dead", "due"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeued_job_climbs_the_whole_ladder_again() {
+    let env = env().await;
+    // One step: the second failure kills the job.
+    let worker = worker(&env.pool, |_| Some("down".to_owned()))
+        .ladder(Ladder::new([Duration::from_secs(3600)]));
+    let id = enqueue_new(&env, "a").await;
+    assert_eq!(worker.run_once().await.expect("round").retried, 1);
+    env.make_due_now().await;
+    assert_eq!(worker.run_once().await.expect("round").dead, 1);
+    let mut conn = env.pool.get().await.expect("conn");
+    assert_eq!(
+        requeue(&mut conn, id).await.expect("requeue"),
+        Requeued::Due
+    );
+    // The third run is the first failure of its new ladder: it waits the
+    // first step instead of dying.
+    assert_eq!(worker.run_once().await.expect("round").retried, 1);
+    assert_eq!(
+        env.jobs("a").await,
+        [("due".to_owned(), 3, Some("refused: down".to_owned()))]
+    );
+    assert_eq!(step_waited(&env, "a").await, 3_600_000);
+    env.make_due_now().await;
+    assert_eq!(worker.run_once().await.expect("round").dead, 1);
+    assert_eq!(env.jobs("a").await[0].1, 4);
 }
 
 #[retryable(max = 4, deadline_ms = 30000)]

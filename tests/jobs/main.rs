@@ -19,6 +19,7 @@ use idem_testing::TestDatabase;
 use scoped_futures::ScopedFutureExt;
 use serde::{Deserialize, Serialize};
 
+mod collapsing;
 mod enqueuing;
 mod ladder;
 mod processes;

@@ -87,8 +87,8 @@ async fn an_open_run_is_not_claimed_again_past_its_lease() {
     let running = tokio::spawn(async move { slow.run_once().await });
     // The lease runs out while the run's transaction is open: another
     // worker polling all along claims nothing.
-    // Once the handler sleeps, its transaction has deleted (and locked)
-    // the job's row.
+    // Once the handler sleeps, its transaction holds the job's row (`FOR
+    // KEY SHARE`, which no claim passes).
     env.until(
         "SELECT count(*) FROM pg_stat_activity
          WHERE query = 'SELECT pg_sleep(0.8)' AND state = 'active'",

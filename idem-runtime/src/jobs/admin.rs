@@ -9,7 +9,7 @@ use super::{store, JobId};
 /// What [`requeue`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Requeued {
-    /// The dead job is due now, with its run count reset.
+    /// The dead job is due now, its ladder started afresh.
     Due,
     /// An unfinished job of the same kind and key exists (the queue holds
     /// one per kind and key): the dead job was left dead.
@@ -18,8 +18,10 @@ pub enum Requeued {
     NotDead,
 }
 
-/// Make a dead job due again now, its run count reset so the whole
-/// [`Ladder`](super::Ladder) applies anew; its `last_error` is kept.
+/// Make a dead job due again now, with the whole [`Ladder`](super::Ladder)
+/// ahead of it anew; its `last_error` is kept. Its run count (`attempts`)
+/// is not reset: it names each run, and the ladder counts from where the
+/// requeue left it (`ladder_from`).
 ///
 /// ```no_run
 /// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), diesel::result::Error> {
@@ -56,7 +58,8 @@ pub struct DeadJob {
     pub key: String,
     /// The job as JSON.
     pub payload: serde_json::Value,
-    /// Runs started before it died.
+    /// Runs started before it died, over its whole life (a requeue does
+    /// not reset the count).
     pub attempts: i32,
     /// What its last run said.
     pub last_error: String,

@@ -12,9 +12,10 @@ use crate::retry::{RetryCause, Transient};
 pub enum Enqueued {
     /// A new job was written.
     New(JobId),
-    /// An unfinished job of the same kind and key exists (due, or running
-    /// and not yet committed): nothing was written, and that job, which
-    /// keeps its own payload and due time, will run after this enqueue.
+    /// An unfinished job of the same kind and key exists (due, or running):
+    /// no job was written; the enqueue is counted on that job, which keeps
+    /// its own payload, and a run of it that starts after this enqueue's
+    /// transaction committed follows (see the [module documentation](super)).
     Collapsed(JobId),
 }
 
@@ -66,8 +67,8 @@ pub enum EnqueueError {
         source: serde_json::Error,
     },
     /// Jobs of this kind and key kept finishing between the insert that met
-    /// them and the lookup that should have found them. Reported to the
-    /// retry loop as a lost race, so the attempt is replayed.
+    /// them and the update that should have collapsed into them. Reported
+    /// to the retry loop as a lost race, so the attempt is replayed.
     #[error("jobs of this kind and key kept finishing while the enqueue looked for them")]
     Raced,
     /// A statement failed. A serialization failure or a deadlock here is
@@ -115,7 +116,9 @@ impl Transient for EnqueueError {
 /// # Errors
 ///
 /// [`EnqueueError`]; a database error aborts the attempt's transaction, as
-/// any failed statement does.
+/// any failed statement does. Under repeatable read or serializable,
+/// collapsing into a job that changed since the attempt's snapshot (a
+/// worker claimed it) is a serialization failure, which the loop replays.
 pub async fn enqueue<J: Job>(
     conn: &mut AsyncPgConnection,
     job: &J,
@@ -125,7 +128,9 @@ pub async fn enqueue<J: Job>(
 
 /// [`enqueue`], due `delay` after now (database time): the first run of a
 /// compensation usually waits for the race it lost to settle. A collapsed
-/// enqueue leaves the existing job's due time as it was.
+/// enqueue leaves the existing job's due time as it was; when it collapsed
+/// into a running job, the run it is owed is due at once, `delay` is not
+/// kept.
 ///
 /// ```no_run
 /// # use idem_runtime::jobs::{enqueue_after, EnqueueError, Job};
@@ -160,14 +165,14 @@ pub async fn enqueue_after<J: Job>(
         source,
     })?;
     // The unfinished job the insert met may finish (its run commits) before
-    // the lookup: then a new one can be written, so go round again. Each
+    // the collapse: then a new one can be written, so go round again. Each
     // round needs a job to finish between two statements; a few suffice.
     for _ in 0..4 {
         if let Some(id) = store::insert(conn, J::KIND, &key, &payload, delay).await? {
             tracing::debug!(job_id = id, kind = J::KIND, key = %key, "job enqueued");
             return Ok(Enqueued::New(JobId(id)));
         }
-        if let Some(id) = store::unfinished(conn, J::KIND, &key).await? {
+        if let Some(id) = store::collapse(conn, J::KIND, &key).await? {
             tracing::debug!(job_id = id, kind = J::KIND, key = %key, "job collapsed into an unfinished one");
             return Ok(Enqueued::Collapsed(JobId(id)));
         }

@@ -11,17 +11,29 @@
 //!   [`outbox::emit`](crate::outbox::emit) is.
 //! * **One unfinished job per (kind, key).** A unique partial index makes an
 //!   enqueue of a (kind, key) that is already due or running collapse into
-//!   that job ([`Enqueued::Collapsed`]; the first payload wins). An enqueue
-//!   never collapses into a run that already committed: a running job's
-//!   transaction holds its row, so the enqueue waits for it and then either
-//!   finds the job gone (a new one is written) or due again (it failed, and
-//!   will run again after the enqueue).
+//!   that job ([`Enqueued::Collapsed`]; the first payload wins), counted on
+//!   its row (`collapsed`). A collapsed enqueue is always followed by a run
+//!   that starts after its decision committed, whatever the worker was
+//!   doing: the count's row lock keeps claims off a due job until the
+//!   deciding transaction ends; a run reads the count when it starts and
+//!   at its end locks the row, waiting for a deciding transaction still
+//!   open on it, and if the count moved it leaves the job due again (at
+//!   once, its ladder anew) instead of deleting it; a failure past the
+//!   ladder does the same instead of parking the job. A decision that
+//!   rolls back leaves the count as it was and is owed nothing. An
+//!   enqueue never waits for a handler: it waits at most for a claim
+//!   statement, a run's last statements and `COMMIT`, or another open
+//!   enqueue of the same (kind, key).
 //! * **Effect and completion commit together.** A [`Worker`] claims due jobs
 //!   of the kinds it handles in one short statement (`FOR UPDATE SKIP
 //!   LOCKED`, a lease, the run counted), then runs each handler under the
-//!   retry loop ([`crate::retry`]); the attempt's first statement deletes
-//!   the job, so the handler's writes and the job's end commit or roll back
-//!   as one. Serialization failures and deadlocks are replayed.
+//!   retry loop ([`crate::retry`]): the attempt's first statement holds the
+//!   job (`FOR KEY SHARE`, which no claim passes) and its last deletes it
+//!   (or makes it due again), so the handler's writes and the job's end
+//!   commit or roll back as one. Serialization failures and deadlocks are
+//!   replayed. A handler may run once more than strictly needed (a
+//!   decision that committed while it ran, which it may have seen, still
+//!   gets a run of its own), so it should be idempotent.
 //! * **The ladder.** A handler that fails (after the retry loop gave up)
 //!   makes its job due again after the next step of the worker's
 //!   [`Ladder`] (default 5 s, 30 s, 2 min, counted in database time);
@@ -31,13 +43,13 @@
 //!   server, which rolls it back; the job stays `running` until its lease
 //!   ends and is then claimed again, by any worker of any process. A run
 //!   completes or fails only while it is still the job's newest (the claim
-//!   count is its token), so a worker that outlived its lease cannot undo
-//!   the next one's run.
+//!   count is its token, never reset), so a worker that outlived its lease
+//!   cannot undo the next one's run.
 //!
 //! # The table
 //!
-//! `idem_jobs` (migration 8, applied by [`crate::migrate()`]), every column
-//! described with `COMMENT ON`:
+//! `idem_jobs` (migrations 8 and 10, applied by [`crate::migrate()`]),
+//! every column described with `COMMENT ON`:
 //!
 //! | column | meaning |
 //! |---|---|
@@ -45,7 +57,9 @@
 //! | `kind`, `key` | [`Job::KIND`] and [`Job::key`]; unique among unfinished jobs |
 //! | `payload` | the job as JSON |
 //! | `state` | `due`, `running` (leased) or `dead` |
-//! | `attempts` | runs started (claims) |
+//! | `attempts` | runs started (claims); each run's token, never reset |
+//! | `ladder_from` | `attempts` when the ladder last started afresh (requeue, or a run owed to a collapsed enqueue) |
+//! | `collapsed` | enqueues collapsed into the job so far |
 //! | `run_at` | due time, in database time |
 //! | `locked_until`, `locked_by` | a running job's lease and its worker |
 //! | `last_error`, `failed_at` | the last failure, and when |

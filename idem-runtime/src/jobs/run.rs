@@ -1,17 +1,19 @@
-//! One run of one claimed job: its handler under the retry loop, with the
-//! job's deletion as the attempt's first statement, then the failure (if
-//! any) recorded against the ladder.
+//! One run of one claimed job: its handler under the retry loop, between
+//! the job's hold (the attempt's first statement) and its end (the last:
+//! deleted, or due again when an enqueue collapsed into it meanwhile), then
+//! the failure (if any) recorded against the ladder.
 
 use std::fmt::Display;
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
 use scoped_futures::ScopedBoxFuture;
 
-use super::store::{self, Claimed};
+use super::store::{self, Claimed, Completed, Failed};
 use super::{Job, Ladder};
 use crate::error::Error;
 use crate::pool::Pool;
@@ -86,7 +88,8 @@ where
 /// How one run ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Ended {
-    /// The handler's effect and the job's deletion committed.
+    /// The handler's effect and the job's end committed: deleted, or due
+    /// again when an enqueue collapsed into it during the run.
     Done,
     /// Failed; due again after the ladder's next step.
     Retry,
@@ -105,25 +108,38 @@ pub(crate) async fn run(
     handler: &Handler,
     job: &Claimed,
 ) -> Ended {
+    // The collapsed enqueues the last attempt started having seen; a
+    // failure recorded against a higher count owes the job another run.
+    let seen = AtomicI64::new(job.collapsed);
     let mut retry_loop = RetryLoop::new(pool, policy, "idem.jobs");
-    let result: Result<bool, Failure> = loop {
+    let result: Result<Option<Completed>, Failure> = loop {
         let mut attempt = match retry_loop.begin().await {
             Ok(attempt) => attempt,
             Err(err) => break Err(Failure::Idem(err)),
         };
         let conn = attempt.conn();
+        let seen = &seen;
         let step = retry_loop
             .scope(async move {
-                // First, so the row lock keeps other claims off the job for
-                // as long as the handler's transaction is open.
-                let ours = store::complete(conn, job.id, job.attempts)
-                    .await
-                    .map_err(|e| Failure::Idem(Error::Database(e)))?;
-                if !ours {
-                    return Ok(Step::Answer(false));
-                }
+                let db = |e| Failure::Idem(Error::Database(e));
+                // First, so that no claim takes the job while the handler's
+                // transaction is open.
+                let Some(collapsed) = store::hold(conn, job.id, job.attempts).await.map_err(db)?
+                else {
+                    return Ok(Step::Answer(None));
+                };
+                seen.store(collapsed, Ordering::SeqCst);
                 handler(conn, &job.payload).await?;
-                Ok(Step::Commit(true))
+                // Last, so that an enqueue still open on the job is waited
+                // for, and one that comes later waits for this commit.
+                match store::complete(conn, job.id, job.attempts, collapsed)
+                    .await
+                    .map_err(db)?
+                {
+                    // The handler's effect goes with the run it belongs to.
+                    Completed::Gone => Ok(Step::Answer(None)),
+                    ended => Ok(Step::Commit(Some(ended))),
+                }
             })
             .await;
         if let ControlFlow::Break(result) = retry_loop.finish(attempt, step).await {
@@ -131,11 +147,15 @@ pub(crate) async fn run(
         }
     };
     let failure = match result {
-        Ok(true) => {
+        Ok(Some(Completed::Rearmed)) => {
+            tracing::debug!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, "job done; an enqueue collapsed into it during the run, so it is due again");
+            return Ended::Done;
+        }
+        Ok(Some(_)) => {
             tracing::debug!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, "job done");
             return Ended::Done;
         }
-        Ok(false) => {
+        Ok(None) => {
             tracing::info!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, "job taken over by a newer run; this run did nothing");
             return Ended::Lost;
         }
@@ -143,27 +163,34 @@ pub(crate) async fn run(
     };
     let retry_after = match failure {
         Failure::Payload(_) => None,
-        _ => ladder.after_failure(u32::try_from(job.attempts).unwrap_or(u32::MAX)),
+        _ => ladder.after_failure(job.failures()),
     };
     let error = failure.text();
+    let seen = seen.load(Ordering::SeqCst);
     let recorded = match pool.get().await {
-        Ok(mut conn) => store::fail(&mut conn, job.id, job.attempts, &error, retry_after).await,
+        Ok(mut conn) => {
+            store::fail(&mut conn, job.id, job.attempts, seen, &error, retry_after).await
+        }
         Err(e) => {
             tracing::warn!(job_id = job.id, error = %e, "could not record a failed job run; its lease will bring it back");
             return Ended::Lost;
         }
     };
-    match (recorded, retry_after) {
-        (Ok(true), Some(after)) => {
-            tracing::warn!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, ?after, error, "job failed; due again after the ladder's next step");
+    match recorded {
+        Ok(Some(Failed::Retry)) => {
+            tracing::warn!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, after = ?retry_after, error, "job failed; due again after the ladder's next step");
             Ended::Retry
         }
-        (Ok(true), None) => {
+        Ok(Some(Failed::Revived)) => {
+            tracing::warn!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, error, "job failed past the ladder, but an enqueue collapsed into it during the run: due again with a fresh ladder");
+            Ended::Retry
+        }
+        Ok(Some(Failed::Dead)) => {
             tracing::error!(job_id = job.id, kind = %job.kind, key = %job.key, run = job.attempts, error, "job parked as dead; requeue it once fixed");
             Ended::Dead
         }
-        (Ok(false), _) => Ended::Lost,
-        (Err(e), _) => {
+        Ok(None) => Ended::Lost,
+        Err(e) => {
             tracing::warn!(job_id = job.id, error = %e, "could not record a failed job run; its lease will bring it back");
             Ended::Lost
         }
