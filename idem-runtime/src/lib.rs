@@ -32,7 +32,8 @@ pub use versioned::{NoState, Versioned, VersionedChanges, VersionedError};
 pub mod __private {
     pub use crate::versioned::{
         state_from_sql, state_to_sql, table_sql, Assignable, BypassesVersionCheck, CasUpdate,
-        StateMachine, TenantMissing, Untenanted, VersionValue,
+        JsonbArray, RecordedTransition, StateMachine, TenantMissing, TransitionRecord, Untenanted,
+        VersionValue,
     };
 
     /// Asks the compiler whether `C` may be assigned by a changeset of `M`.

@@ -49,6 +49,7 @@
 //! | 8 | `jobs` | the table `idem_jobs` of delayed compensation jobs, see [`jobs`](crate::jobs) |
 //! | 9 | `record_taken` | the function `idem_record_taken()`, which a local record's takeover of a live key raises (SQLSTATE IDR01) instead of writing nothing |
 //! | 10 | `jobs_collapsed` | the columns `idem_jobs.collapsed` (enqueues collapsed into a job, so a run that ends with more than it began with leaves the job due again) and `idem_jobs.ladder_from` (where the ladder last started afresh; `attempts` is never reset), see [`jobs`](crate::jobs) |
+//! | 11 | `transitions` | the table `idem_transitions`: the last `.transition(from, to)` of each row, which tells a repeated transition from another write, see [`Transitioned`](crate::versioned::Transitioned) |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -177,6 +178,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 10,
         name: "jobs_collapsed",
         sql: include_str!("../migrations/0010_jobs_collapsed.sql"),
+    },
+    Migration {
+        version: 11,
+        name: "transitions",
+        sql: include_str!("../migrations/0011_transitions.sql"),
     },
 ];
 

@@ -64,6 +64,8 @@ use OrderStatus::{Cancelled, Paid, Pending, Shipped};
 async fn orders_db() -> (idem_testing::TestDatabase, AsyncPgConnection) {
     let db = idem_testing::TestDatabase::create().await.unwrap();
     let mut conn = AsyncPgConnection::establish(db.url()).await.unwrap();
+    // A transition records itself in `idem_transitions`.
+    idem::migrate(&mut conn).await.unwrap();
     conn.batch_execute(ORDERS).await.unwrap();
     (db, conn)
 }
@@ -290,7 +292,7 @@ async fn race_behind_a_paid_transaction(
         }
         let w: Waiting = diesel::sql_query(
             "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() \
-             AND wait_event_type = 'Lock' AND query LIKE 'UPDATE \"orders\"%'",
+             AND wait_event_type = 'Lock' AND query LIKE '%UPDATE \"orders\"%'",
         )
         .get_result(&mut observer)
         .await

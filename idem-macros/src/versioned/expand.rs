@@ -100,6 +100,15 @@ pub(crate) fn model(model: &Model) -> TokenStream {
     }
     let row_filter = conjunction(&row_preds);
     let identity_cols = row_preds.iter().map(|(col, _)| col);
+    // Each identity value bound with its column's SQL type, as the filter
+    // binds it.
+    let identity_binds = row_preds.iter().map(|(col, value)| {
+        quote! {
+            ::idem::__private::diesel::expression::AsExpression::<
+                <#col as ::idem::__private::diesel::Expression>::SqlType,
+            >::as_expression(#value)
+        }
+    });
     let mut cas_preds = row_preds.clone();
     cas_preds.push((version_col.clone(), quote!(__idem_expected)));
     let cas_filter = conjunction(&cas_preds);
@@ -154,16 +163,25 @@ pub(crate) fn model(model: &Model) -> TokenStream {
             (
                 quote! {
                     async move {
+                        // The record of the transition names the row too.
+                        let __idem_identity = <Self as ::idem::Versioned>::__identity(
+                            ::core::clone::Clone::clone(&__idem_tenant),
+                            ::core::clone::Clone::clone(&__idem_key),
+                        );
                         #bind_row
                         let ::core::option::Option::Some(__idem_expected) = #vv::from_i64(__idem_expected) else {
                             return ::core::result::Result::Ok(::core::option::Option::None);
                         };
-                        let __idem_query = ::idem::__private::CasUpdate::new(
-                            #table::table,
-                            (changes.__changeset(), ::idem::__private::diesel::query_builder::AsChangeset::as_changeset(#col.eq(__idem_to))),
-                            <Self as ::idem::Versioned>::VERSION_COLUMN,
-                            #cas_filter.and(#col.eq(__idem_from)),
-                            Self::as_select(),
+                        let __idem_query = ::idem::__private::RecordedTransition::new(
+                            ::idem::__private::CasUpdate::new(
+                                #table::table,
+                                (changes.__changeset(), ::idem::__private::diesel::query_builder::AsChangeset::as_changeset(#col.eq(__idem_to))),
+                                <Self as ::idem::Versioned>::VERSION_COLUMN,
+                                #cas_filter.and(#col.eq(__idem_from)),
+                                Self::as_select(),
+                            ),
+                            __idem_identity,
+                            record,
                         );
                         #rqd::get_result(__idem_query, conn).await.optional()
                     }
@@ -173,7 +191,7 @@ pub(crate) fn model(model: &Model) -> TokenStream {
         }
         None => (
             quote! {
-                let _ = (conn, __idem_tenant, __idem_key, __idem_expected, __idem_to, changes);
+                let _ = (conn, __idem_tenant, __idem_key, __idem_expected, __idem_to, record, changes);
                 async move { match __idem_from {} }
             },
             quote!(::core::option::Option::None),
@@ -302,10 +320,18 @@ pub(crate) fn model(model: &Model) -> TokenStream {
                     __idem_expected: i64,
                     __idem_from: Self::State,
                     __idem_to: Self::State,
+                    record: &'c ::idem::__private::TransitionRecord,
                     changes: &'c C,
                 ) -> impl ::core::future::Future<Output = ::core::result::Result<::core::option::Option<Self>, #derr>> + ::core::marker::Send + 'c
                 {
                     #transition_update
+                }
+
+                fn __identity(__idem_tenant: Self::Tenant, __idem_key: Self::Key)
+                    -> impl ::idem::__private::diesel::query_builder::QueryFragment<::idem::__private::diesel::pg::Pg> + ::core::marker::Send + ::core::marker::Sync
+                {
+                    #bind_row
+                    ::idem::__private::JsonbArray((#(#identity_binds,)*))
                 }
 
                 fn __state(&self) -> ::core::option::Option<Self::State> {

@@ -135,10 +135,13 @@ pub(crate) fn model(input: &ModelInput, roles: &Roles, err: syn::Error) -> Token
                 }
                 fn __transition<'c, C: ::idem::VersionedChanges<Self> + ::core::marker::Sync>(
                     _: #conn, _: Self::Tenant, _: Self::Key, _: i64,
-                    _: Self::State, _: Self::State, _: &'c C,
+                    _: Self::State, _: Self::State, _: &'c ::idem::__private::TransitionRecord, _: &'c C,
                 ) -> #rows {
                     async move { ::core::unreachable!() }
                 }
+                fn __identity(_: Self::Tenant, _: Self::Key)
+                    -> impl ::idem::__private::diesel::query_builder::QueryFragment<::idem::__private::diesel::pg::Pg> + ::core::marker::Send + ::core::marker::Sync
+                {}
                 fn __state(&self) -> ::core::option::Option<Self::State> {
                     ::core::unreachable!()
                 }

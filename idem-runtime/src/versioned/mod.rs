@@ -9,11 +9,13 @@
 pub mod backstop;
 mod builder;
 mod cas;
+mod record;
 mod states;
 mod transition;
 
 pub use builder::*;
 pub use cas::CasUpdate;
+pub use record::{JsonbArray, RecordedTransition, TransitionRecord};
 pub use states::{state_from_sql, state_to_sql, StateMachine, Transitioned};
 pub use transition::{Transition, TransitionChanges};
 
@@ -232,7 +234,9 @@ pub trait Versioned: Sized + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<Self>, DieselError>> + Send + 'c;
 
     /// The guarded update of a [`Transition`]: `changes`, the state set to
-    /// `to`, the version bumped, where the row is at `expected` and in `from`.
+    /// `to`, the version bumped, where the row is at `expected` and in `from`;
+    /// in the same statement, when the row was written, `record` is upserted
+    /// into `idem_transitions` under the row's identity (`__identity`).
     #[doc(hidden)]
     #[allow(clippy::too_many_arguments)]
     fn __transition<'c, C: VersionedChanges<Self> + Sync>(
@@ -242,8 +246,15 @@ pub trait Versioned: Sized + Send + Sync + 'static {
         expected: i64,
         from: Self::State,
         to: Self::State,
+        record: &'c TransitionRecord,
         changes: &'c C,
     ) -> impl Future<Output = Result<Option<Self>, DieselError>> + Send + 'c;
+
+    /// The row's identity as `idem_transitions` keys it: a `JsonbArray` of
+    /// the tenant (unless `tenant = none`) and the key columns, each bound
+    /// with its column's SQL type.
+    #[doc(hidden)]
+    fn __identity(tenant: Self::Tenant, key: Self::Key) -> impl QueryFragment<Pg> + Send + Sync;
 
     /// This row's state, or `None` for a model without one.
     #[doc(hidden)]

@@ -59,19 +59,25 @@ pub trait StateMachine: Clone + Debug + PartialEq + Send + Sync + 'static {
 /// What a guarded transition did: both variants are a success, and both carry
 /// the row as it is now.
 ///
-/// A transition that matches no row is classified with one read of the row;
-/// when that row is already in the target state at exactly the expected
-/// version + 1, the transition is [`Duplicate`](Transitioned::Duplicate): the
-/// same transition from the same version was already made (most likely this
-/// very request, retried), so the caller can answer success and the upstream
-/// stops retrying. Anything else stays an error (`Stale`, `NotFound`,
+/// An applied transition records itself (the version it wrote and the edge
+/// it took, in idem's table `idem_transitions`, by the same statement). A
+/// transition that matches no row is classified with one read of the row;
+/// when that row is in the target state at exactly the expected version + 1
+/// and its record says this same edge wrote that version, the transition is
+/// [`Duplicate`](Transitioned::Duplicate): it was already made, from the same
+/// version (most likely by this very request, retried), so the caller can
+/// answer success and the upstream stops retrying. A row that got to that
+/// state and version another way (by another declared edge into the same
+/// state, or by a plain update of a row already in it) answers
+/// [`Stale`](super::VersionedError::Stale) with the row's version: read it
+/// again. Anything else stays an error too (`Stale`, `NotFound`,
 /// `StateMismatch`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Transitioned<M> {
     /// This call made the transition: the row as written, version + 1.
     Applied(M),
-    /// The row was already in the target state at the expected version + 1;
-    /// nothing was written.
+    /// The row's current version (the expected version + 1) was written by
+    /// this same transition, `from` -> `to`; nothing was written now.
     Duplicate(M),
 }
 

@@ -7,6 +7,7 @@ use diesel::query_builder::QueryFragment;
 use diesel_async::AsyncPgConnection;
 
 use super::builder::{judge, NoChanges, Pending, TenantGiven, Update, VersionGiven, WithChanges};
+use super::record::{self, TransitionRecord};
 use super::{StateMachine, Transitioned, Versioned, VersionedChanges, VersionedError};
 use crate::attempt;
 
@@ -23,6 +24,9 @@ pub struct Transition<M: Versioned, T, V, C> {
     /// checked, so that a state type without one is one error, at
     /// `.transition(..)`, and not a second at `.execute(..)`.
     allowed: fn(&M::State, &M::State) -> bool,
+    /// `StateMachine::as_text`, taken there too: the record of an applied
+    /// transition stores the edge as the states' texts.
+    as_text: fn(&M::State) -> &'static str,
 }
 
 impl<M: Versioned, T, V, C> Update<M, T, V, C> {
@@ -34,10 +38,13 @@ impl<M: Versioned, T, V, C> Update<M, T, V, C> {
     /// The state type must be a [`StateMachine`] (`#[derive(idem::States)]`).
     /// A transition its table does not list is refused with
     /// [`VersionedError::IllegalTransition`] before any SQL is sent. `from`
-    /// replaces any `.expect_state(..)`. When no row matches, a row already
-    /// in `to` at the expected version + 1 is answered
-    /// [`Transitioned::Duplicate`]; otherwise the error is `Stale`,
-    /// `NotFound` or `StateMismatch`, as for any update.
+    /// replaces any `.expect_state(..)`. An applied transition is recorded
+    /// (in the table `idem_transitions`, by the same statement; run
+    /// [`migrate`](crate::migrate::migrate) first). When no row matches, it
+    /// is answered [`Transitioned::Duplicate`] only if the row is in `to` at
+    /// the expected version + 1 and that version was written by this very
+    /// transition, `from` -> `to`, as its record says; otherwise the error is
+    /// `Stale`, `NotFound` or `StateMismatch`, as for any update.
     pub fn transition(self, from: M::State, to: M::State) -> Transition<M, T, V, C>
     where
         M::State: StateMachine,
@@ -47,6 +54,7 @@ impl<M: Versioned, T, V, C> Update<M, T, V, C> {
             from,
             to,
             allowed: <M::State as StateMachine>::allowed,
+            as_text: <M::State as StateMachine>::as_text,
         }
     }
 }
@@ -84,7 +92,8 @@ impl<M: Versioned> VersionedChanges<M> for StateOnly {
 
 impl<M: Versioned, T, V, C> Transition<M, T, V, C> {
     /// Make the transition. `Ok(Applied(row))`: written, version + 1;
-    /// `Ok(Duplicate(row))`: it had already been made; `Err`: refused
+    /// `Ok(Duplicate(row))`: the row's current version was written by this
+    /// same transition, from the same version; `Err`: refused
     /// ([`IllegalTransition`](VersionedError::IllegalTransition), nothing
     /// sent) or matched no row for another reason (`Stale`, `NotFound`,
     /// `StateMismatch`).
@@ -100,6 +109,7 @@ impl<M: Versioned, T, V, C> Transition<M, T, V, C> {
                 from,
                 to,
                 allowed,
+                as_text,
             } = self;
             if !allowed(&from, &to) {
                 return Err(VersionedError::IllegalTransition {
@@ -109,6 +119,14 @@ impl<M: Versioned, T, V, C> Transition<M, T, V, C> {
             }
             let tenant = update.tenant.into_tenant();
             let expected = update.version.expected();
+            let record = TransitionRecord {
+                table: M::table_sql(),
+                // Only ever stored by a write that matched, at `expected`,
+                // which cannot be `i64::MAX` (the bump would overflow first).
+                version: expected.saturating_add(1),
+                from: as_text(&from),
+                to: as_text(&to),
+            };
             let written = M::__transition(
                 conn,
                 tenant.clone(),
@@ -116,22 +134,36 @@ impl<M: Versioned, T, V, C> Transition<M, T, V, C> {
                 expected,
                 from.clone(),
                 to.clone(),
+                &record,
                 update.changes.changes(),
             )
             .await?;
             if let Some(row) = written {
                 return Ok(Transitioned::Applied(row));
             }
-            // The one read that classifies: the whole row, so that a
-            // duplicate is answered with it.
+            // The read that classifies: the whole row, so that a duplicate
+            // is answered with it (and, for a candidate duplicate only, its
+            // record).
             let id = attempt::RowId::of::<M, _>(&update.key);
-            let current = M::__load(conn, tenant, update.key, false).await?;
+            let current = M::__load(conn, tenant.clone(), update.key.clone(), false).await?;
             match current {
+                // In `to` at the version this transition would have written:
+                // a duplicate only if that version's write was this very
+                // transition, which only its record can say (another edge
+                // into `to`, or a plain update of a row already in `to`,
+                // leaves the row looking the same). Otherwise the row is at
+                // another version than expected: `Stale`.
                 Some(row)
                     if expected.checked_add(1) == Some(row.version())
                         && row.__state().as_ref() == Some(&to) =>
                 {
-                    Ok(Transitioned::Duplicate(row))
+                    let identity = M::__identity(tenant, update.key);
+                    let last = record::last_transition(conn, &record.table, identity).await?;
+                    if record.made(last) {
+                        return Ok(Transitioned::Duplicate(row));
+                    }
+                    let probe = Some((row.version(), row.__state()));
+                    Err(judge::<M>(id, probe, expected, Some(from)))
                 }
                 current => {
                     let probe = current.map(|row| (row.version(), row.__state()));
