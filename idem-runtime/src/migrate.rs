@@ -50,6 +50,7 @@
 //! | 9 | `record_taken` | the function `idem_record_taken()`, which a local record's takeover of a live key raises (SQLSTATE IDR01) instead of writing nothing |
 //! | 10 | `jobs_collapsed` | the columns `idem_jobs.collapsed` (enqueues collapsed into a job, so a run that ends with more than it began with leaves the job due again) and `idem_jobs.ladder_from` (where the ladder last started afresh; `attempts` is never reset), see [`jobs`](crate::jobs) |
 //! | 11 | `transitions` | the table `idem_transitions`: the last `.transition(from, to)` of each row, which tells a repeated transition from another write, see [`Transitioned`](crate::versioned::Transitioned) |
+//! | 12 | `cache_secret` | the table `idem_cache_secret`: the random secret the Redis replay cache seals its entries with (with the database's life), so that an entry written by someone who can only write to Redis, or left from before a restore, is refused |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -183,6 +184,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 11,
         name: "transitions",
         sql: include_str!("../migrations/0011_transitions.sql"),
+    },
+    Migration {
+        version: 12,
+        name: "cache_secret",
+        sql: include_str!("../migrations/0012_cache_secret.sql"),
     },
 ];
 

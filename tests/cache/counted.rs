@@ -33,19 +33,8 @@ async fn storm(
 /// same storm without the cache costs at least one each.
 #[tokio::test]
 async fn a_storm_of_cached_duplicates_costs_the_database_nothing() {
-    let db = TestDatabase::create().await.expect("a test database");
-    {
-        let mut conn = AsyncPgConnection::establish(db.url())
-            .await
-            .expect("connect");
-        idem::migrate(&mut conn).await.expect("migrate");
-        conn.batch_execute(SCHEMA).await.expect("schema");
-    }
-    let server_url = tokio::task::spawn_blocking(idem_testing::server_url)
-        .await
-        .unwrap()
-        .expect("the server");
-    let admin = idem_testing::connect(&server_url).await.expect("admin");
+    let db = migrated_database().await;
+    let admin = admin().await;
     let cache = shared_cache();
     {
         let pool = pool_on(db.url());

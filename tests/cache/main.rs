@@ -20,6 +20,7 @@ use tokio::sync::Semaphore;
 
 mod counted;
 mod failures;
+mod forged;
 mod replays;
 
 // ---------------------------------------------------------------------------
@@ -147,14 +148,29 @@ struct Env {
     pool: Pool,
 }
 
-async fn env() -> Env {
+/// A fresh database, migrated, with the `effects` table, and no connection
+/// left open to it.
+async fn migrated_database() -> TestDatabase {
     let db = TestDatabase::create().await.expect("a test database");
     let mut conn = AsyncPgConnection::establish(db.url())
         .await
         .expect("connect");
     idem::migrate(&mut conn).await.expect("migrate");
     conn.batch_execute(SCHEMA).await.expect("schema");
-    drop(conn);
+    db
+}
+
+/// A connection to the server itself (its counters, `CREATE DATABASE`).
+async fn admin() -> tokio_postgres::Client {
+    let server_url = tokio::task::spawn_blocking(idem_testing::server_url)
+        .await
+        .unwrap()
+        .expect("the server");
+    idem_testing::connect(&server_url).await.expect("admin")
+}
+
+async fn env() -> Env {
+    let db = migrated_database().await;
     let client = idem_testing::connect(db.url()).await.expect("connect");
     let pool = pool_on(db.url());
     Env { db, client, pool }
@@ -201,16 +217,21 @@ impl Env {
 fn shared_cache() -> ReplayCache {
     let url = idem_testing::redis::url().expect("a Redis");
     let prefix = idem_testing::redis::unique_prefix("cache");
-    // Generous timeout: the shared machine runs other builds.
+    // Generous timeout: the shared machine runs other builds. The key is
+    // trusted for a minute, so that no test counting connections sees the
+    // background read of it (tests/cache/forged.rs tests that read).
     let config = CacheConfig::new()
         .prefix(prefix)
-        .timeout(Duration::from_millis(250));
+        .timeout(Duration::from_millis(250))
+        .recheck(Duration::from_secs(60));
     ReplayCache::with_config(&url, config).expect("a cache")
 }
 
 /// A cache on `server`, with the default 30 ms timeout and a short back-off.
 fn cache_on(server: &idem_testing::redis::RedisServer) -> ReplayCache {
-    let config = CacheConfig::new().backoff(Duration::from_millis(500));
+    let config = CacheConfig::new()
+        .backoff(Duration::from_millis(500))
+        .recheck(Duration::from_secs(60));
     ReplayCache::with_config(server.url(), config).expect("a cache")
 }
 

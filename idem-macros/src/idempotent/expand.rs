@@ -197,7 +197,7 @@ pub(crate) fn idempotent(
             quote_spanned!(expr.span()=> ::idem::__private::CacheInput::replay_cache(&(#expr)));
         quote! {
             #call.set_cache(#input);
-            if let ::core::option::Option::Some(#outcome) = #call.cached::<#ok_ty>().await {
+            if let ::core::option::Option::Some(#outcome) = #call.cached::<#ok_ty>(#pool).await {
                 return #outcome;
             }
         }

@@ -127,13 +127,13 @@ impl<E> Call<E> {
     /// `V` or as a final error. Anything else is `None`, and the database
     /// answers.
     #[cfg(feature = "redis")]
-    pub async fn cached<V: DeserializeOwned>(&self) -> Option<Result<Idempotent<V>, E>>
+    pub async fn cached<V: DeserializeOwned>(&self, pool: &Pool) -> Option<Result<Idempotent<V>, E>>
     where
         E: IdempotentError,
     {
         let cache = self.cache.as_ref()?;
         let entry = cache
-            .lookup(self.request.scope(), self.request.key())
+            .lookup(pool, self.request.scope(), self.request.key())
             .await?;
         if entry.operation != self.request.operation()
             || entry.fingerprint != *self.request.fingerprint()
@@ -162,7 +162,7 @@ impl<E> Call<E> {
 
     /// Copy the record this call ended with to the cache.
     #[cfg(feature = "redis")]
-    async fn fill_cache(&mut self) {
+    async fn fill_cache(&mut self, pool: &Pool) {
         let (Some(cache), Some(done)) = (&self.cache, self.completed.take()) else {
             return;
         };
@@ -178,7 +178,7 @@ impl<E> Call<E> {
             response,
         };
         let (scope, key) = (self.request.scope(), self.request.key());
-        cache.store(scope, key, &entry, done.remaining).await;
+        cache.store(pool, scope, key, &entry, done.remaining).await;
     }
 
     /// The request.
@@ -450,7 +450,7 @@ impl<E> Call<E> {
     {
         #[cfg(feature = "redis")]
         if outcome.is_ok() {
-            self.fill_cache().await;
+            self.fill_cache(pool).await;
         }
         let err = match outcome {
             Ok(Reply::Fresh(value)) => {

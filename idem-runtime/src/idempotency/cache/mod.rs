@@ -9,8 +9,16 @@
 //! is replayed without a connection being checked out. Everything else goes
 //! to the database, which stays the arbiter:
 //!
+//! * the cache only answers what the database would answer for that scope
+//!   and key: every entry is sealed (HMAC-SHA-256) over its scope, key and
+//!   bytes, with a key derived from a secret the database holds
+//!   (`idem_cache_secret`) and from its life (its oid, the server's start
+//!   time, the records table's identity), so an entry written by someone who can only
+//!   write to Redis, altered, copied under another scope or key, made by
+//!   another database, or made before the database was restored, recreated
+//!   or its secret rotated, is refused, and the database answers;
 //! * a miss, an entry for another request (the database answers 422), an
-//!   entry that cannot be read, Redis down or slower than
+//!   entry that cannot be read or is refused, Redis down or slower than
 //!   [`CacheConfig::timeout`]: the request goes on as if there were no
 //!   cache. After a failure Redis is left alone for [`CacheConfig::backoff`],
 //!   so a dead Redis costs one timeout per back-off, not one per request;
@@ -18,7 +26,8 @@
 //!   outcome-unknown record: only what a database replay would answer;
 //! * an entry lives at most [`CacheConfig::max_ttl`], and at most half of
 //!   what is left of the record's retention (by the database's clock), so it
-//!   never outlives the record it copies.
+//!   never outlives the record it copies; the time it may be served until is
+//!   sealed in it, so removing its TTL in Redis does not keep it alive.
 //!
 //! Entries are keyed by a SHA-256 of the stored scope and the key (records
 //! are one per (scope, key)), under [`CacheConfig::prefix`]; the caller's
@@ -32,6 +41,12 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use sha2::{Digest, Sha256};
 
 use super::fingerprint;
+use crate::pool::Pool;
+use entry::Refused;
+pub(crate) use entry::{now_millis, Entry};
+
+mod entry;
+mod keyring;
 
 /// Settings of a [`ReplayCache`]; each has a documented default.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,6 +62,12 @@ pub struct CacheConfig {
     pub max_ttl: Duration,
     /// Prepended to every key the cache writes. Default `idem:replay:`.
     pub prefix: String,
+    /// How long the key entries are sealed with is trusted once read from
+    /// the database; it is read again in the background after half of it.
+    /// An entry of a database's earlier life (before a restore, a re-creation
+    /// or a rotation of its secret) is served at most this long after the
+    /// key was last read from it. Default 1 s.
+    pub recheck: Duration,
 }
 
 impl CacheConfig {
@@ -57,6 +78,7 @@ impl CacheConfig {
             backoff: Duration::from_secs(1),
             max_ttl: Duration::from_secs(300),
             prefix: "idem:replay:".to_owned(),
+            recheck: Duration::from_secs(1),
         }
     }
     /// Set [`timeout`](Self::timeout).
@@ -77,6 +99,11 @@ impl CacheConfig {
     /// Set [`prefix`](Self::prefix).
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+    /// Set [`recheck`](Self::recheck).
+    pub fn recheck(mut self, recheck: Duration) -> Self {
+        self.recheck = recheck;
         self
     }
 }
@@ -113,9 +140,14 @@ pub struct CacheStats {
     pub mismatches: u64,
     /// Entries that could not be read (the database answers).
     pub unreadable: u64,
+    /// Entries whose seal did not verify, or whose time was past: forged,
+    /// altered, copied from another scope or key, or made by another
+    /// database or before a restore (the database answers).
+    pub rejected: u64,
     /// Commands that failed or timed out (each starts a back-off).
     pub failures: u64,
-    /// Lookups and writes skipped during a back-off.
+    /// Lookups and writes skipped during a back-off, or because the key
+    /// could not be read from the database.
     pub skipped: u64,
     /// Entries written.
     pub writes: u64,
@@ -127,6 +159,7 @@ struct Counters {
     misses: AtomicU64,
     mismatches: AtomicU64,
     unreadable: AtomicU64,
+    rejected: AtomicU64,
     failures: AtomicU64,
     skipped: AtomicU64,
     writes: AtomicU64,
@@ -138,12 +171,18 @@ struct Counters {
 ///
 /// The database stays the arbiter: only completed records are copied (after
 /// their commit, and after a replay read one), in the form `jsonb` stored
-/// them, so a replay from Redis is the database's replay byte for byte. A
-/// miss, an entry made for another operation or fingerprint, an unreadable
-/// entry, or Redis failing or slower than [`CacheConfig::timeout`] sends the
-/// request to the database (and, after a failure, Redis is left alone for
-/// [`CacheConfig::backoff`]). The cache never says a key is new, and an
-/// entry lives at most `min(max_ttl, half the record's remaining retention)`.
+/// them, so a replay from Redis is the database's replay byte for byte.
+/// Every entry is sealed with a key derived from the database's secret and
+/// life, over its scope and key: one that does not verify is refused. A
+/// miss, a refused or unreadable entry, an entry made for another operation
+/// or fingerprint, or Redis failing or slower than [`CacheConfig::timeout`]
+/// sends the request to the database (and, after a failure, Redis is left
+/// alone for [`CacheConfig::backoff`]). The cache never says a key is new,
+/// and an entry lives at most `min(max_ttl, half the record's remaining
+/// retention)`.
+///
+/// One cache serves one database (the key it seals with is that
+/// database's); give each database its own cache and prefix.
 ///
 /// ```no_run
 /// # fn demo() -> Result<(), idem_runtime::idempotency::CacheError> {
@@ -164,6 +203,8 @@ struct Inner {
     config: CacheConfig,
     /// Until when Redis is left alone after a failure.
     resting_until: Mutex<Option<Instant>>,
+    /// The key entries are sealed with, as read from the database.
+    keyring: Arc<keyring::Keyring>,
     counters: Counters,
 }
 
@@ -173,51 +214,6 @@ impl std::fmt::Debug for ReplayCache {
             .field("config", &self.inner.config)
             .field("stats", &self.stats())
             .finish_non_exhaustive()
-    }
-}
-
-/// A completed record as the cache keeps it.
-pub(crate) struct Entry {
-    pub(crate) error: bool,
-    pub(crate) operation: String,
-    pub(crate) fingerprint: [u8; 32],
-    /// The stored response's JSON.
-    pub(crate) response: Vec<u8>,
-}
-
-/// The first bytes of every entry: a format version, so a later format is
-/// read as a miss rather than misread.
-const MAGIC: &[u8; 4] = b"idr1";
-
-impl Entry {
-    fn encode(&self) -> Vec<u8> {
-        let op = self.operation.as_bytes();
-        let mut out = Vec::with_capacity(4 + 1 + 32 + 4 + op.len() + self.response.len());
-        out.extend_from_slice(MAGIC);
-        out.push(u8::from(self.error));
-        out.extend_from_slice(&self.fingerprint);
-        out.extend_from_slice(&(op.len() as u32).to_be_bytes());
-        out.extend_from_slice(op);
-        out.extend_from_slice(&self.response);
-        out
-    }
-
-    fn decode(bytes: &[u8]) -> Option<Entry> {
-        let rest = bytes.strip_prefix(MAGIC)?;
-        let (&error, rest) = rest.split_first()?;
-        let fingerprint: [u8; 32] = rest.get(..32)?.try_into().ok()?;
-        let len = u32::from_be_bytes(rest.get(32..36)?.try_into().ok()?) as usize;
-        let operation = std::str::from_utf8(rest.get(36..36 + len)?).ok()?;
-        Some(Entry {
-            error: match error {
-                0 => false,
-                1 => true,
-                _ => return None,
-            },
-            fingerprint,
-            operation: operation.to_owned(),
-            response: rest[36 + len..].to_vec(),
-        })
     }
 }
 
@@ -250,6 +246,7 @@ impl ReplayCache {
                 conn,
                 config,
                 resting_until: Mutex::new(None),
+                keyring: Arc::default(),
                 counters: Counters::default(),
             }),
         })
@@ -269,6 +266,7 @@ impl ReplayCache {
             misses: get(&c.misses),
             mismatches: get(&c.mismatches),
             unreadable: get(&c.unreadable),
+            rejected: get(&c.rejected),
             failures: get(&c.failures),
             skipped: get(&c.skipped),
             writes: get(&c.writes),
@@ -289,8 +287,24 @@ impl ReplayCache {
         )
     }
 
-    /// The entry of a record, if Redis answers in time and has one.
-    pub(crate) async fn lookup(&self, scope: &str, key: &str) -> Option<Entry> {
+    /// The key to seal with for a request on `pool`, if it can be had.
+    async fn seal_key(&self, pool: &Pool) -> Option<entry::SealKey> {
+        let config = &self.inner.config;
+        let key = self
+            .inner
+            .keyring
+            .key(pool, config.recheck, config.backoff)
+            .await;
+        if key.is_none() {
+            self.count(|c| &c.skipped);
+        }
+        key
+    }
+
+    /// The entry of a record, if Redis answers in time and has one that
+    /// verifies for this scope and key.
+    pub(crate) async fn lookup(&self, pool: &Pool, scope: &str, key: &str) -> Option<Entry> {
+        let seal = self.seal_key(pool).await?;
         let mut conn = self.inner.conn.clone();
         let get = redis::cmd("GET").arg(self.redis_key(scope, key)).to_owned();
         let bytes: Option<Vec<u8>> = self
@@ -300,25 +314,43 @@ impl ReplayCache {
             self.count(|c| &c.misses);
             return None;
         };
-        let entry = Entry::decode(&bytes);
-        if entry.is_none() {
-            self.count(|c| &c.unreadable);
+        match Entry::open(&bytes, &seal, scope, key, now_millis()) {
+            Ok(entry) => Some(entry),
+            Err(Refused::Unreadable) => {
+                self.count(|c| &c.unreadable);
+                None
+            }
+            Err(Refused::Rejected) => {
+                self.count(|c| &c.rejected);
+                tracing::warn!(redis_key = %self.redis_key(scope, key), "a replay cache entry failed its check (forged, altered, copied, or from another database or an earlier life of this one): the database answers");
+                None
+            }
         }
-        entry
     }
 
     /// Keep `entry` for at most half of `remaining` (the record's retention
-    /// left) and [`CacheConfig::max_ttl`].
-    pub(crate) async fn store(&self, scope: &str, key: &str, entry: &Entry, remaining: Duration) {
+    /// left) and [`CacheConfig::max_ttl`], sealed for this scope and key.
+    pub(crate) async fn store(
+        &self,
+        pool: &Pool,
+        scope: &str,
+        key: &str,
+        entry: &Entry,
+        remaining: Duration,
+    ) {
         let ttl = self.inner.config.max_ttl.min(remaining / 2);
         let millis = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
         if millis == 0 {
             return;
         }
+        let Some(seal) = self.seal_key(pool).await else {
+            return;
+        };
+        let sealed = entry.seal(&seal, scope, key, now_millis().saturating_add(millis));
         let mut conn = self.inner.conn.clone();
         let set = redis::cmd("SET")
             .arg(self.redis_key(scope, key))
-            .arg(entry.encode())
+            .arg(sealed)
             .arg("PX")
             .arg(millis)
             .to_owned();
@@ -403,29 +435,5 @@ impl<T: CacheInput + ?Sized> CacheInput for Arc<T> {
 impl<T: CacheInput> CacheInput for Option<T> {
     fn replay_cache(&self) -> Option<&ReplayCache> {
         self.as_ref().and_then(CacheInput::replay_cache)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn entries_round_trip_and_refuse_other_formats() {
-        let entry = Entry {
-            error: true,
-            operation: "payments::pay".to_owned(),
-            fingerprint: [7; 32],
-            response: br#"{"a": 0.0}"#.to_vec(),
-        };
-        let back = Entry::decode(&entry.encode()).expect("decodes");
-        assert!(back.error);
-        assert_eq!(back.operation, entry.operation);
-        assert_eq!(back.fingerprint, entry.fingerprint);
-        assert_eq!(back.response, entry.response);
-        let mut other = entry.encode();
-        other[3] = b'2';
-        assert!(Entry::decode(&other).is_none());
-        assert!(Entry::decode(&entry.encode()[..20]).is_none());
     }
 }
