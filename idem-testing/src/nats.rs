@@ -93,9 +93,14 @@ impl NatsHarnessError {
 
 /// A `nats-server -js` started by the harness; stopped (and its store
 /// directory removed) when dropped.
+///
+/// A test that needs an outage [`kill`](NatsServer::kill)s it and
+/// [`restart`](NatsServer::restart)s it on the same port with the same store
+/// directory, so clients reconnect to it and file-stored streams survive.
 #[derive(Debug)]
 pub struct NatsServer {
     url: String,
+    port: u16,
     dir: PathBuf,
     child: Mutex<Option<Child>>,
 }
@@ -104,16 +109,90 @@ impl NatsServer {
     /// Start a server with JetStream on a free port of 127.0.0.1, storing
     /// in a new temporary directory. Blocks until it accepts connections.
     pub fn start() -> Result<NatsServer, NatsHarnessError> {
-        let binary = find_binary()?;
         let port = TcpListener::bind(("127.0.0.1", 0))
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .map_err(|e| NatsHarnessError::io("find a free TCP port on 127.0.0.1", e))?;
-        let dir = make_temp_dir()?;
-        let log = dir.join("nats-server.log");
+        let server = NatsServer {
+            url: format!("nats://127.0.0.1:{port}"),
+            port,
+            dir: make_temp_dir()?,
+            child: Mutex::new(None),
+        };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    /// Kill the server (SIGKILL: a crash, not a shutdown), keeping its store
+    /// directory. Its clients see the connection drop and try to reconnect.
+    pub fn kill(&self) {
+        if let Some(mut child) = self.child.lock().ok().and_then(|mut c| c.take()) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Freeze the server (SIGSTOP): its connections stay open but nothing
+    /// is answered, as with a server stuck or cut off by the network; what
+    /// clients send meanwhile waits in its sockets and is read on
+    /// [`thaw`](NatsServer::thaw).
+    pub fn freeze(&self) {
+        let Some(pid) = self.signal(libc::SIGSTOP) else {
+            return;
+        };
+        // The signal is delivered asynchronously: wait until every thread
+        // is stopped, so that nothing is answered after this returns.
+        let started = Instant::now();
+        while !all_threads_stopped(pid) && started.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Let a frozen server run again (SIGCONT).
+    pub fn thaw(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    /// Send `signal` to the running server; its pid, if it runs.
+    fn signal(&self, signal: libc::c_int) -> Option<libc::pid_t> {
+        let pid = self
+            .child
+            .lock()
+            .ok()
+            .and_then(|c| c.as_ref().map(Child::id))
+            .and_then(|id| libc::pid_t::try_from(id).ok());
+        if let Some(pid) = pid {
+            // SAFETY: kill(2) on the pid of a child this harness spawned and
+            // has not reaped (it is still in `child`).
+            unsafe {
+                libc::kill(pid, signal);
+            }
+        }
+        pid
+    }
+
+    /// Start the server again on the same port with the same store directory
+    /// (killing it first if it runs). Blocks until it accepts connections.
+    pub fn restart(&self) -> Result<(), NatsHarnessError> {
+        self.kill();
+        self.spawn()
+    }
+
+    /// Run `nats-server -js` on this server's port and directory, and wait
+    /// for its JetStream greeting.
+    fn spawn(&self) -> Result<(), NatsHarnessError> {
+        let binary = find_binary()?;
+        let log = self.dir.join("nats-server.log");
         let child = Command::new(&binary)
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(dir.join("store"))
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
+            .arg(self.dir.join("store"))
             .arg("-l")
             .arg(&log)
             .stdin(Stdio::null())
@@ -121,18 +200,18 @@ impl NatsServer {
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| NatsHarnessError::io(format!("run {}", binary.display()), e))?;
-        let server = NatsServer {
-            url: format!("nats://127.0.0.1:{port}"),
-            dir,
-            child: Mutex::new(Some(child)),
-        };
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        *self
+            .child
+            .lock()
+            .map_err(|_| NatsHarnessError::Client("the server's lock is poisoned".into()))? =
+            Some(child);
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
         let started = Instant::now();
         loop {
             if has_jetstream(&addr) {
-                return Ok(server);
+                return Ok(());
             }
-            let exited = server
+            let exited = self
                 .child
                 .lock()
                 .ok()
@@ -160,10 +239,7 @@ impl NatsServer {
     }
 
     fn shut_down(&self) {
-        if let Some(mut child) = self.child.lock().ok().and_then(|mut c| c.take()) {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -239,6 +315,23 @@ fn has_jetstream(addr: &SocketAddr) -> bool {
     }
     let line = String::from_utf8_lossy(&greeting);
     line.starts_with("INFO ") && line.replace(' ', "").contains("\"jetstream\":true")
+}
+
+/// Whether every thread of `pid` is stopped (state `T` in
+/// `/proc/PID/task/TID/stat`, the field after the parenthesised name).
+fn all_threads_stopped(pid: libc::pid_t) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat"))
+            .ok()
+            .and_then(|stat| {
+                let (_, after) = stat.rsplit_once(')')?;
+                after.trim_start().chars().next()
+            })
+            .is_some_and(|state| state == 'T' || state == 't')
+    })
 }
 
 fn find_binary() -> Result<PathBuf, NatsHarnessError> {
@@ -347,7 +440,8 @@ mod tests {
     use super::*;
 
     /// The path taken where no server runs: start one, see it greet with
-    /// JetStream, stop it.
+    /// JetStream, freeze and thaw it, kill it and restart it on its port,
+    /// stop it.
     #[test]
     fn starts_a_server_with_jetstream_and_stops_it() {
         let server = NatsServer::start().expect("nats-server starts");
@@ -357,6 +451,15 @@ mod tests {
             .parse()
             .expect("addr");
         assert!(has_jetstream(&addr));
+        server.freeze();
+        assert!(!has_jetstream(&addr), "frozen: no greeting");
+        server.thaw();
+        assert!(has_jetstream(&addr), "thawed");
+        server.kill();
+        assert!(!has_jetstream(&addr), "killed");
+        assert!(server.dir().join("store").exists(), "its store is kept");
+        server.restart().expect("restarts on the same port");
+        assert!(has_jetstream(&addr), "back");
         let dir = server.dir().to_owned();
         drop(server);
         assert!(!dir.exists(), "store directory removed");
