@@ -21,7 +21,9 @@ use tokio::sync::oneshot;
 mod cleanup;
 mod emitting;
 mod order;
+mod outage;
 mod poison;
+mod refusals;
 mod startup;
 
 // ---------------------------------------------------------------------------
@@ -105,25 +107,7 @@ fn unique(prefix: &str) -> String {
 }
 
 async fn env(test: &str, duplicate_window: Duration) -> Env {
-    let db = TestDatabase::create()
-        .await
-        .expect("create the test database");
-    let mut conn = AsyncPgConnection::establish(db.url())
-        .await
-        .expect("connect");
-    idem::migrate(&mut conn).await.expect("migrate");
-    conn.batch_execute(SCHEMA).await.expect("schema");
-    drop(conn);
-    let pool = build_pool_with(
-        db.url(),
-        &PoolConfig {
-            max_size: 12,
-            wait_timeout: Duration::from_secs(60),
-            ..PoolConfig::default()
-        },
-    )
-    .expect("pool");
-    let client = idem_testing::connect(db.url()).await.expect("connect");
+    let (db, pool, client) = database().await;
     let js = jetstream::new(
         async_nats::connect(nats_url().await)
             .await
@@ -146,6 +130,31 @@ async fn env(test: &str, duplicate_window: Duration) -> Env {
         js,
         stream,
     }
+}
+
+/// A fresh database with idem's tables and the `counters` table, a pool on
+/// it, and a plain client for the assertions.
+async fn database() -> (TestDatabase, Pool, tokio_postgres::Client) {
+    let db = TestDatabase::create()
+        .await
+        .expect("create the test database");
+    let mut conn = AsyncPgConnection::establish(db.url())
+        .await
+        .expect("connect");
+    idem::migrate(&mut conn).await.expect("migrate");
+    conn.batch_execute(SCHEMA).await.expect("schema");
+    drop(conn);
+    let pool = build_pool_with(
+        db.url(),
+        &PoolConfig {
+            max_size: 12,
+            wait_timeout: Duration::from_secs(60),
+            ..PoolConfig::default()
+        },
+    )
+    .expect("pool");
+    let client = idem_testing::connect(db.url()).await.expect("connect");
+    (db, pool, client)
 }
 
 /// One message as the stream stored it.

@@ -15,9 +15,12 @@
 //! * **Relay.** [`Relay`] claims heads with `FOR UPDATE SKIP LOCKED` and a
 //!   lease in one short statement, publishes them with no transaction open,
 //!   and marks them sent; it wakes on `NOTIFY idem_outbox` (a trigger on
-//!   insert) and polls as a fallback. A publish that keeps failing is
-//!   retried with backoff, then parked as dead, blocking only its key until
-//!   [`requeue`]. Sent rows are deleted after a retention.
+//!   insert) and polls as a fallback. A publish the broker refuses, or
+//!   that fails for its event, is retried with backoff, then parked as dead,
+//!   blocking only its key until [`requeue`]. A broker that is unavailable
+//!   (unreachable, not answering, without a leader) is no event's fault: it
+//!   counts toward no attempt; the relay waits for it with backoff and
+//!   resumes by itself. Sent rows are deleted after a retention.
 //! * **Duplicates.** A relay may publish an event again (it died before
 //!   marking it, an ack was lost): the event id goes to the broker as the
 //!   message id (`Nats-Msg-Id`), and the broker drops the copy within its

@@ -1,7 +1,10 @@
 //! The NATS JetStream publisher (feature `nats`).
 
+use async_nats::connection::State;
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
+use async_nats::jetstream::context::{PublishError as JsPublishError, PublishErrorKind};
 use async_nats::jetstream::Context;
+use async_nats::Client;
 
 use super::publisher::{Horizon, OutboxMessage, PrepareError, PublishError, Published, Publisher};
 
@@ -17,6 +20,20 @@ use super::publisher::{Horizon, OutboxMessage, PrepareError, PublishError, Publi
 /// * At start-up ([`Publisher::prepare`]) it refuses a stream whose
 ///   `duplicate_window` is shorter than the relay's
 ///   [`horizon`](super::Relay::horizon).
+/// * It tells an unavailable server from a refusal without reading error
+///   text. [Unavailable](PublishError::unavailable): the client is not
+///   connected (nothing is sent then), the client could not take the
+///   publish, no ack came within the JetStream timeout (the message may
+///   have gone out: it is published again later under the same id), the
+///   request was dropped with its connection, or the stream answered with
+///   status 503 (no leader, not enough resources, a store that failed).
+///   Counted against the event: any other answer of the stream (a message
+///   too large for it, say) and "no responders", unless the check that
+///   follows finds the broker unavailable. A message larger than the
+///   server's `max_payload` is refused before it is sent, since the server
+///   would close the connection instead of answering.
+/// * Its [check](Publisher::check) passes when the client is connected
+///   and the stream answers its info with a leader.
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
@@ -30,6 +47,7 @@ use super::publisher::{Horizon, OutboxMessage, PrepareError, PublishError, Publi
 #[derive(Debug, Clone)]
 pub struct NatsPublisher {
     context: Context,
+    client: Client,
     stream: String,
     prefix: Option<String>,
 }
@@ -38,6 +56,7 @@ impl NatsPublisher {
     /// A publisher to the stream named `stream` (checked at start-up).
     pub fn new(context: Context, stream: impl Into<String>) -> Self {
         NatsPublisher {
+            client: context.client(),
             context,
             stream: stream.into(),
             prefix: None,
@@ -61,26 +80,75 @@ impl NatsPublisher {
 
 impl Publisher for NatsPublisher {
     async fn publish(&self, message: &OutboxMessage) -> Result<Published, PublishError> {
+        // While the client is away its requests would queue until it
+        // reconnects, long after their ack timed out: do not add to them.
+        if self.client.connection_state() != State::Connected {
+            return Err(PublishError::unavailable(
+                "not connected to the NATS server",
+            ));
+        }
+        let id = message.id.to_string();
+        let version = message.version.to_string();
+        let seq = message.seq.to_string();
+        let fields = [
+            ("Nats-Msg-Id", id.as_str()),
+            ("Idem-Event-Kind", message.kind.as_str()),
+            ("Idem-Event-Version", version.as_str()),
+            ("Idem-Event-Key", message.key.as_str()),
+            ("Idem-Event-Seq", seq.as_str()),
+        ];
         let mut headers = HeaderMap::new();
-        headers.insert(NATS_MESSAGE_ID, message.id.to_string().as_str());
-        headers.insert("Idem-Event-Kind", message.kind.as_str());
-        headers.insert("Idem-Event-Version", message.version.to_string().as_str());
-        headers.insert("Idem-Event-Key", message.key.as_str());
-        headers.insert("Idem-Event-Seq", message.seq.to_string().as_str());
+        // The standard name, which the server reads; the others are ours.
+        headers.insert(NATS_MESSAGE_ID, id.as_str());
+        for (name, value) in &fields[1..] {
+            headers.insert(*name, *value);
+        }
         let body = serde_json::to_vec(&message.payload).map_err(PublishError::from_source)?;
+        let size = body.len() + header_block_len(&fields);
+        let max = self.client.server_info().max_payload;
+        if max > 0 && size > max {
+            return Err(PublishError::new(format!(
+                "the event is {size} bytes with its headers, over the server's max_payload of {max}"
+            )));
+        }
         let ack = self
             .context
             .publish_with_headers(self.subject_of(message), headers, body.into())
             .await
-            .map_err(PublishError::from_source)?
+            // The client did not take it: its queue stayed full (it is
+            // reconnecting) or it is closed.
+            .map_err(PublishError::unavailable_from)?
             .await
-            .map_err(PublishError::from_source)?;
+            .map_err(classify)?;
         if ack.stream != self.stream {
             // Another stream captured the subject: acked, but not where the
             // duplicate window was checked.
             tracing::warn!(expected = %self.stream, stream = %ack.stream, "outbox event stored in another stream than the one checked at start-up");
         }
         Ok(Published::new(ack.duplicate))
+    }
+
+    async fn check(&self) -> Result<(), PublishError> {
+        if self.client.connection_state() != State::Connected {
+            return Err(PublishError::unavailable(
+                "not connected to the NATS server",
+            ));
+        }
+        // A stream that answers its info has a leader to store messages;
+        // a missing stream is unavailable too (it can come back), not a
+        // fault of the events waiting for it.
+        let stream = self
+            .context
+            .get_stream(&self.stream)
+            .await
+            .map_err(PublishError::unavailable_from)?;
+        match &stream.cached_info().cluster {
+            Some(cluster) if cluster.leader.is_none() => Err(PublishError::unavailable(format!(
+                "stream {} has no leader",
+                self.stream
+            ))),
+            _ => Ok(()),
+        }
     }
 
     async fn prepare(&self, horizon: Horizon) -> Result<(), PrepareError> {
@@ -105,4 +173,37 @@ impl Publisher for NatsPublisher {
         }
         Ok(())
     }
+}
+
+/// Sort a failed JetStream publish by its kind and status code.
+fn classify(error: JsPublishError) -> PublishError {
+    match error.kind() {
+        // No answer, or the request dropped with its connection: the
+        // server may have stored the message; it goes again under its id.
+        PublishErrorKind::TimedOut
+        | PublishErrorKind::BrokenPipe
+        | PublishErrorKind::MaxAckPending => PublishError::unavailable_from(error),
+        PublishErrorKind::Other if status_of(&error) == Some(503) => {
+            PublishError::unavailable_from(error)
+        }
+        // "No responders" (reported as StreamNotFound) and the stream's
+        // other answers: the relay's check decides whether the broker was
+        // there to mean them.
+        _ => PublishError::from_source(error),
+    }
+}
+
+/// The HTTP-like status of the stream's error answer, if it gave one.
+fn status_of(error: &JsPublishError) -> Option<usize> {
+    std::error::Error::source(error)?
+        .downcast_ref::<async_nats::jetstream::Error>()
+        .map(async_nats::jetstream::Error::code)
+}
+
+/// The bytes `fields` take as a NATS header block (`NATS/1.0`, one
+/// `Name: value` line each, a blank line), which the server counts toward
+/// `max_payload`.
+fn header_block_len(fields: &[(&str, &str)]) -> usize {
+    let lines: usize = fields.iter().map(|(n, v)| n.len() + 2 + v.len() + 2).sum();
+    "NATS/1.0\r\n".len() + lines + 2
 }

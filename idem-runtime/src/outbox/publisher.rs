@@ -44,31 +44,73 @@ impl Published {
     }
 }
 
-/// Why a publish failed: the relay retries it with backoff, and parks the
-/// event as dead after [`max_attempts`](super::Relay::max_attempts).
+/// Why a publish failed.
+///
+/// Two kinds, which the relay treats differently:
+///
+/// * **A refusal**, or an error of this event ([`new`](Self::new),
+///   [`from_source`](Self::from_source)): the relay retries it with
+///   backoff and parks the event as dead after
+///   [`max_attempts`](super::Relay::max_attempts) — provided the broker
+///   answers [`Publisher::check`] at that moment; otherwise the failure is
+///   taken as the broker's, like the kind below.
+/// * **The broker is unavailable** ([`unavailable`](Self::unavailable),
+///   [`unavailable_from`](Self::unavailable_from)): unreachable, not
+///   answering, without a leader, or unable to take any message now. It
+///   counts toward no event's attempts: the relay puts the event back as it
+///   was and waits for the broker. A publish that may have gone out anyway
+///   (buffered by a client, its ack lost) is published again later with the
+///   same id, which the broker deduplicates.
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
 pub struct PublishError {
     message: String,
     #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    unavailable: bool,
 }
 
 impl PublishError {
-    /// A failure described by `message`.
+    /// A refusal, or an error of this event, described by `message`.
     pub fn new(message: impl Into<String>) -> Self {
         PublishError {
             message: message.into(),
             source: None,
+            unavailable: false,
         }
     }
 
-    /// A failure caused by `source`.
+    /// A refusal, or an error of this event, caused by `source`.
     pub fn from_source(source: impl std::error::Error + Send + Sync + 'static) -> Self {
         PublishError {
             message: source.to_string(),
             source: Some(Box::new(source)),
+            unavailable: false,
         }
+    }
+
+    /// The broker is unavailable, as `message` says: counted against no
+    /// event.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        PublishError {
+            unavailable: true,
+            ..PublishError::new(message)
+        }
+    }
+
+    /// The broker is unavailable, as `source` says: counted against no
+    /// event.
+    pub fn unavailable_from(source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        PublishError {
+            unavailable: true,
+            ..PublishError::from_source(source)
+        }
+    }
+
+    /// Whether the publisher said the broker is unavailable (rather than
+    /// refusing this event).
+    pub fn is_unavailable(&self) -> bool {
+        self.unavailable
     }
 }
 
@@ -118,12 +160,28 @@ impl Horizon {
 /// `publish` returns once the broker has the message durably (for
 /// JetStream: the publish ack), and must pass [`OutboxMessage::id`] on so
 /// the broker drops copies: the relay publishes at least once.
+///
+/// A publisher tells an unavailable broker from a refusal of the event
+/// (see [`PublishError`]): what it marks
+/// [`unavailable`](PublishError::unavailable) never makes an event dead,
+/// and what it does not mark counts only while [`check`](Self::check)
+/// passes.
 pub trait Publisher: Send + Sync + 'static {
     /// Publish one message and wait for the broker's ack.
     fn publish(
         &self,
         message: &OutboxMessage,
     ) -> impl Future<Output = Result<Published, PublishError>> + Send;
+
+    /// Whether the broker can take messages now. The relay asks after a
+    /// round in which a publish failed with an error not marked unavailable
+    /// (an `Err` makes those failures the broker's, counted against no
+    /// event), and, while the broker is unavailable, between its waits (an
+    /// `Ok` ends the wait). Keep it cheap and bounded in time. Default:
+    /// `Ok` (every unmarked failure counts).
+    fn check(&self) -> impl Future<Output = Result<(), PublishError>> + Send {
+        async { Ok(()) }
+    }
 
     /// Checked once when the relay starts: refuse to run when the broker
     /// would not recognise an event published again within `horizon`.

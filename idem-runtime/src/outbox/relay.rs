@@ -2,7 +2,7 @@
 //! open, and marks them sent.
 
 use std::future::Future;
-use std::pin::pin;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,7 +10,7 @@ use crate::pool::PoolError;
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
 
-use super::publisher::{Horizon, OutboxMessage, PrepareError, Publisher};
+use super::publisher::{Horizon, OutboxMessage, PrepareError, PublishError, Publisher};
 use super::store;
 use crate::pool::{Pool, PooledConnection};
 
@@ -40,8 +40,13 @@ pub struct Round {
     pub sent: usize,
     /// Of those, the ones the broker already had.
     pub duplicates: usize,
-    /// Publishes that failed (retried later, or parked as dead).
+    /// Publishes the broker refused, or that failed for their event:
+    /// counted, retried after backoff or parked as dead.
     pub failed: usize,
+    /// Publishes that failed because the broker was unavailable: given back
+    /// as they were, counted against no event. The relay then waits for the
+    /// broker before its next round.
+    pub unavailable: usize,
 }
 
 /// Publishes the outbox to a broker: at least once, in commit order per key.
@@ -126,13 +131,16 @@ impl<P: Publisher> Relay<P> {
         self
     }
     /// Failed publishes of one event before it is parked as dead (and its
-    /// key stops until [`requeue`](super::requeue)). Default 8.
+    /// key stops until [`requeue`](super::requeue)). Default 8. Only
+    /// refusals and errors of the event count: a publish that failed because
+    /// the broker was unavailable counts toward nothing.
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
     }
     /// The wait after a first failure, doubled after each next one up to
-    /// `max`. Default 200 ms, at most 10 s.
+    /// `max`. Default 200 ms, at most 10 s. The same steps, with jitter,
+    /// space the relay's checks of an unavailable broker.
     pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
         self.backoff_base = base;
         self.backoff_max = max.max(base);
@@ -163,7 +171,10 @@ impl<P: Publisher> Relay<P> {
 
     /// How long after publishing an event this relay may publish it again:
     /// the lease plus every retry's backoff. The broker must remember ids
-    /// at least this long.
+    /// at least this long. A broker outage adds its own length (a publish
+    /// whose ack was lost goes again when the broker is back): a window
+    /// longer than this horizon by the longest outage to ride out keeps
+    /// such an event from being stored twice.
     pub fn horizon(&self) -> Horizon {
         let retry = (1..self.max_attempts).map(|n| self.backoff_after(n)).sum();
         Horizon {
@@ -185,6 +196,12 @@ impl<P: Publisher> Relay<P> {
     /// Failures of a round are logged and retried at the next poll; the
     /// round in flight when `shutdown` fires is finished first.
     ///
+    /// A round that found the broker unavailable is followed by a wait:
+    /// [`Publisher::check`] is asked after each step of the
+    /// [`backoff`](Self::backoff) (with jitter, growing while the broker
+    /// stays away), and rounds resume once it passes. No event is claimed
+    /// nor charged meanwhile.
+    ///
     /// # Errors
     ///
     /// Only at start-up: [`RelayError::Prepare`].
@@ -193,22 +210,35 @@ impl<P: Publisher> Relay<P> {
         let mut shutdown = pin!(shutdown);
         let mut listener: Option<PooledConnection> = None;
         let mut last_cleanup = Instant::now();
+        // Waits for the broker in a row: the next wait's step. Reset only by
+        // a round that published with the broker available, so a broker that
+        // passes its check but still fails publishes is waited for longer
+        // and longer, never in a tight loop.
+        let mut outage_steps = 0_u32;
         loop {
-            let busy = match self.run_once().await {
-                Ok(round) => round.claimed == self.batch_size as usize,
+            let round = self.run_once().await;
+            self.housekeep(&mut last_cleanup).await;
+            let busy = match round {
+                Ok(round) if round.unavailable > 0 => {
+                    if !self
+                        .wait_for_broker(shutdown.as_mut(), &mut outage_steps, &mut last_cleanup)
+                        .await
+                    {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                Ok(round) => {
+                    if round.sent > 0 {
+                        outage_steps = 0;
+                    }
+                    round.claimed == self.batch_size as usize
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "outbox relay round failed; trying again at the next poll");
                     false
                 }
             };
-            if last_cleanup.elapsed() >= self.cleanup_interval {
-                last_cleanup = Instant::now();
-                if let Err(e) = self.clean().await {
-                    tracing::warn!(error = %e, "outbox cleanup failed");
-                }
-                #[cfg(feature = "metrics")]
-                self.record_gauges().await;
-            }
             if busy {
                 // A full batch: more is probably due; look again at once,
                 // unless told to stop.
@@ -229,6 +259,56 @@ impl<P: Publisher> Relay<P> {
                 }
             }
         }
+    }
+
+    /// Wait until [`Publisher::check`] passes, backing off between checks;
+    /// false when `shutdown` completed first. Cleanup and gauges go on
+    /// meanwhile: they need only the database, and the backlog is what an
+    /// operator watches during an outage.
+    async fn wait_for_broker(
+        &self,
+        mut shutdown: Pin<&mut (impl Future<Output = ()> + Send)>,
+        steps: &mut u32,
+        last_cleanup: &mut Instant,
+    ) -> bool {
+        let since = Instant::now();
+        tracing::info!("outbox relay: waiting for the broker");
+        loop {
+            *steps = steps.saturating_add(1);
+            let pause = equal_jitter(self.backoff_after(*steps));
+            tokio::select! {
+                () = shutdown.as_mut() => return false,
+                () = tokio::time::sleep(pause) => {}
+            }
+            let checked = tokio::select! {
+                () = shutdown.as_mut() => return false,
+                checked = self.publisher.check() => checked,
+            };
+            match checked {
+                Ok(()) => {
+                    tracing::info!(waited = ?since.elapsed(), "outbox relay: the broker is back; resuming");
+                    return true;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, next_step = ?self.backoff_after(*steps + 1), "outbox relay: the broker is still unavailable")
+                }
+            }
+            self.housekeep(last_cleanup).await;
+        }
+    }
+
+    /// Delete sent events past the retention and set the gauges, when the
+    /// cleanup interval has passed since `last`.
+    async fn housekeep(&self, last: &mut Instant) {
+        if last.elapsed() < self.cleanup_interval {
+            return;
+        }
+        *last = Instant::now();
+        if let Err(e) = self.clean().await {
+            tracing::warn!(error = %e, "outbox cleanup failed");
+        }
+        #[cfg(feature = "metrics")]
+        self.record_gauges().await;
     }
 
     /// One round: claim up to [`batch_size`](Self::batch_size) heads,
@@ -264,19 +344,53 @@ impl<P: Publisher> Relay<P> {
                     round.duplicates += usize::from(published.duplicate);
                     acked.push(message.id.0);
                 }
-                Err(e) => failures.push((message, e.to_string())),
+                Err(e) => failures.push((message, e)),
             }
         }
+        let (refused, unavailable) = self.sort_failures(failures).await;
         let mut conn = self.pool.get().await?;
         round.sent = acked.len();
         if !acked.is_empty() {
             store::mark_sent(&mut conn, &acked).await?;
         }
-        round.failed = failures.len();
-        for (message, error) in failures {
-            self.record_failure(&mut conn, message, &error).await?;
+        round.unavailable = unavailable.len();
+        if !unavailable.is_empty() {
+            tracing::warn!(events = unavailable.len(), error = %unavailable[0].1, "outbox publish failed: the broker is unavailable; the events wait for it, uncharged");
+            let (ids, errors): (Vec<_>, Vec<_>) = unavailable
+                .iter()
+                .map(|(message, error)| (message.id.0, error.to_string()))
+                .unzip();
+            store::release(&mut conn, &ids, &errors).await?;
+        }
+        round.failed = refused.len();
+        for (message, error) in refused {
+            self.record_failure(&mut conn, message, &error.to_string())
+                .await?;
         }
         Ok(round)
+    }
+
+    /// Split failed publishes into those charged to their event and those
+    /// the broker's unavailability explains. A failure the publisher marked
+    /// unavailable is the broker's; any other is the event's only if the
+    /// broker passes its check now: an answer such as "no responders" means
+    /// "no stream takes this subject" from a healthy broker but "no leader
+    /// yet" from a failing one, and only the broker can say which.
+    async fn sort_failures<'m>(
+        &self,
+        failures: Vec<(&'m OutboxMessage, PublishError)>,
+    ) -> (Failures<'m>, Failures<'m>) {
+        let broker = if failures.iter().any(|(_, e)| !e.is_unavailable()) {
+            self.publisher.check().await
+        } else {
+            Ok(())
+        };
+        if let Err(e) = &broker {
+            tracing::debug!(error = %e, "outbox publishes failed while the broker fails its check: none is charged");
+        }
+        failures
+            .into_iter()
+            .partition(|(_, e)| !e.is_unavailable() && broker.is_ok())
     }
 
     async fn record_failure(
@@ -338,6 +452,25 @@ impl<P: Publisher> Relay<P> {
             }
         }
     }
+}
+
+/// Failed publishes, each with its message.
+type Failures<'m> = Vec<(&'m OutboxMessage, PublishError)>;
+
+/// A wait of between half of `step` and all of it ("equal jitter"): relays
+/// that met the same outage do not check the broker in lockstep, and the
+/// wait still grows with the step.
+fn equal_jitter(step: Duration) -> Duration {
+    let half = step / 2;
+    let spread = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX);
+    if spread == 0 {
+        return step;
+    }
+    // A fresh RandomState is randomly keyed; its hash is spread enough for
+    // jitter and keeps a random-number crate out.
+    let random =
+        std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0_u8);
+    half + Duration::from_nanos(random % spread.saturating_add(1))
 }
 
 /// Wait for a notification on `listener` or for `poll`, whichever is first.

@@ -134,6 +134,26 @@ pub(crate) async fn mark_failed(
     .await
 }
 
+/// Give back events whose publish failed because the broker was
+/// unavailable: the lease ends and the error is kept for operators, but the
+/// attempt is not counted and no backoff is set, so whichever relay finds
+/// the broker back first publishes them at once.
+pub(crate) async fn release(
+    conn: &mut AsyncPgConnection,
+    ids: &[Uuid],
+    errors: &[String],
+) -> Result<usize, diesel::result::Error> {
+    diesel::sql_query(
+        "UPDATE idem_outbox o SET lease_until = NULL, last_error = u.error
+         FROM unnest($1::uuid[], $2::text[]) AS u(id, error)
+         WHERE o.id = u.id AND o.state = 'pending'",
+    )
+    .bind::<Array<SqlUuid>, _>(ids)
+    .bind::<Array<Text>, _>(errors)
+    .execute(conn)
+    .await
+}
+
 /// Put dead events back to pending with a fresh attempt count: one event
 /// (`id`), or every dead event of `key`.
 pub(crate) async fn requeue(
