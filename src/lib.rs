@@ -27,7 +27,7 @@ pub type IdempotencyError = Error;
 pub mod pool {
     pub use idem_runtime::pool::{
         build_pool, build_pool_with, BuildError, Connection, Manager, Pool, PoolConfig, PoolError,
-        PooledConnection, Pooler,
+        PooledConnection, Pooler, Replication,
     };
 }
 
@@ -134,6 +134,8 @@ mod guide {
     struct Orders;
     #[doc = include_str!("../docs/many-instances.md")]
     struct ManyInstances;
+    #[doc = include_str!("../docs/replication.md")]
+    struct Replication;
     #[doc = include_str!("../docs/internals.md")]
     struct Internals;
     #[doc = include_str!("../docs/contention.md")]

@@ -166,6 +166,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
             } else {
                 Pooler::Direct
             },
+            ..PoolConfig::default()
         },
     )?;
     let app = App {

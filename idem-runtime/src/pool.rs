@@ -75,6 +75,9 @@ pub struct PoolConfig {
     /// What the pool's URL reaches: PostgreSQL, or a transaction pooler.
     /// Default [`Pooler::Direct`].
     pub pooler: Pooler,
+    /// Whether a synchronous standby must hold what idem reports committed.
+    /// Default [`Replication::Single`].
+    pub replication: Replication,
 }
 
 impl Default for PoolConfig {
@@ -83,8 +86,31 @@ impl Default for PoolConfig {
             max_size: 16,
             wait_timeout: Duration::from_secs(5),
             pooler: Pooler::Direct,
+            replication: Replication::Single,
         }
     }
+}
+
+/// What idem may do with a `COMMIT` that goes unanswered.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Replication {
+    /// One server, or standbies no acknowledged commit depends on. A
+    /// `COMMIT` unanswered within the policy's `commit_timeout` is cancelled
+    /// (which aborts one still running deferred triggers, so the next
+    /// attempt need not wait for it) and answered as of unknown outcome.
+    #[default]
+    Single,
+    /// A synchronous standby (`synchronous_standby_names`) must hold every
+    /// commit idem reports. PostgreSQL turns a cancelled (or abandoned)
+    /// wait for the standby into a *local* commit: visible, and lost if the
+    /// primary dies before the standby has it. So idem never cancels a
+    /// `COMMIT`: it closes the connection and answers it as of unknown
+    /// outcome, and the backend goes on waiting for the standby, its locks
+    /// held, so a duplicate waits rather than replaying what the standby may
+    /// not hold. Keep `client_connection_check_interval` off on such a
+    /// server: it ends an abandoned wait the same way a cancel does.
+    Synchronous,
 }
 
 /// What sits between a [`Pool`] and PostgreSQL.
@@ -157,6 +183,7 @@ pub type PoolError = deadpool::managed::PoolError<ConnectionError>;
 pub struct Pool {
     inner: deadpool::managed::Pool<Manager>,
     pooler: Pooler,
+    replication: Replication,
 }
 
 impl std::fmt::Debug for Pool {
@@ -183,6 +210,11 @@ impl Pool {
     pub fn pooler(&self) -> Pooler {
         self.pooler
     }
+
+    /// Whether a synchronous standby must hold what idem reports committed.
+    pub fn replication(&self) -> Replication {
+        self.replication
+    }
 }
 
 /// A connection checked out of a [`Pool`]; it dereferences to an
@@ -195,12 +227,18 @@ pub type PooledConnection = deadpool::managed::Object<Manager>;
 pub struct Connection {
     conn: AsyncPgConnection,
     wire: Arc<Wire>,
+    replication: Replication,
 }
 
 impl Connection {
     /// What the server has said on this connection.
     pub(crate) fn wire(&self) -> &Wire {
         &self.wire
+    }
+
+    /// Its pool's [`Replication`].
+    pub(crate) fn replication(&self) -> Replication {
+        self.replication
     }
 }
 
@@ -225,6 +263,7 @@ const SETTLE: Duration = Duration::from_millis(100);
 pub struct Manager {
     config: tokio_postgres::Config,
     pooler: Pooler,
+    replication: Replication,
 }
 
 impl deadpool::managed::Manager for Manager {
@@ -278,7 +317,11 @@ impl deadpool::managed::Manager for Manager {
                 conn
             }
         };
-        Ok(Connection { conn, wire })
+        Ok(Connection {
+            conn,
+            wire,
+            replication: self.replication,
+        })
     }
 
     async fn recycle(
@@ -340,6 +383,7 @@ pub fn build_pool_with(database_url: &str, config: &PoolConfig) -> Result<Pool, 
     let manager = Manager {
         config: pg,
         pooler: config.pooler,
+        replication: config.replication,
     };
     let inner = deadpool::managed::Pool::builder(manager)
         .max_size(config.max_size)
@@ -350,6 +394,7 @@ pub fn build_pool_with(database_url: &str, config: &PoolConfig) -> Result<Pool, 
     Ok(Pool {
         inner,
         pooler: config.pooler,
+        replication: config.replication,
     })
 }
 

@@ -201,6 +201,7 @@ async fn concurrent_local_calls_leave_no_statement_behind_their_commit() {
                 max_size: 16,
                 wait_timeout: Duration::from_secs(60),
                 pooler: Pooler::TransactionPooling,
+                ..PoolConfig::default()
             },
         )
         .expect("a pool through it")

@@ -121,6 +121,7 @@ fn pool_of(db: &TestDatabase, size: usize) -> Pool {
             max_size: size,
             wait_timeout: Duration::from_secs(60),
             pooler: pooler(db),
+            ..PoolConfig::default()
         },
     )
     .expect("build the pool")

@@ -142,6 +142,7 @@ impl Env {
                 } else {
                     Pooler::Direct
                 },
+                ..PoolConfig::default()
             },
         )
         .expect("build the pool");

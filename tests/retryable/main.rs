@@ -121,6 +121,7 @@ async fn env(pool_size: usize) -> Env {
             } else {
                 Pooler::Direct
             },
+            ..PoolConfig::default()
         },
     )
     .expect("build the pool");

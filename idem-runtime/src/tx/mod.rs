@@ -36,7 +36,7 @@ use diesel::result::Error as DieselError;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 
 use crate::cause::{from_sqlstate, Bounds, RetryCause, Transient};
-use crate::pool::{Marks, PooledConnection, Refusal, Wire};
+use crate::pool::{Marks, PooledConnection, Refusal, Replication, Wire};
 
 mod pipeline;
 pub(crate) use pipeline::{Closing, Pipelined};
@@ -221,7 +221,13 @@ impl Tx {
             }
             Err(_elapsed) => {
                 tracing::warn!("COMMIT got no answer in {timeout:?}; outcome unknown");
-                self.cancel_and_discard();
+                match self.conn.as_ref().map(|c| c.replication()) {
+                    // A cancel would turn a wait for the synchronous standby
+                    // into a local commit, visible and not replicated: the
+                    // backend is left to wait, its locks held.
+                    Some(Replication::Synchronous) => self.discard(),
+                    _ => self.cancel_and_discard(),
+                }
                 Err(CommitFailure::Unknown)
             }
             Ok(Err(err)) if err.transient() == Some(RetryCause::ConnectionLost) => {

@@ -359,14 +359,26 @@ impl ReplicaPair {
 
     /// Starts the stopped standby again and waits until it streams (and,
     /// with [`Replication::Sync`], is synchronous, which releases the
-    /// waiting commits).
+    /// waiting commits). When the primary is not running (killed while the
+    /// standby was down, before a promotion), it waits only until the
+    /// standby answers, in recovery, with what it had received.
     pub async fn start_standby(&self) -> Result<(), ReplicaError> {
         let _op = self.ops.lock().await;
         let node = self.standby_node().clone();
         let runner = Arc::clone(&self.runner);
+        let url = node.url("postgres");
+        let name = node.name;
         blocking(move || node.start(&runner)).await?;
-        self.wait_streaming(1 - self.primary.load(Ordering::SeqCst))
-            .await
+        if self.primary_node().is_running() {
+            return self
+                .wait_streaming(1 - self.primary.load(Ordering::SeqCst))
+                .await;
+        }
+        poll(format!("{name} to answer in recovery"), WAIT, || async {
+            let in_recovery = query_text(&url, "SELECT pg_is_in_recovery()::text").await?;
+            Ok((in_recovery == "true").then_some(()))
+        })
+        .await
     }
 
     /// Waits until the standby has replayed everything the primary had

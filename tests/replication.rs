@@ -1,0 +1,173 @@
+//! idem on a primary with a synchronous standby: a `COMMIT` that waits for a
+//! standby that is down is never cancelled by idem, so what idem has not
+//! told a client is done never becomes visible, and never replayed, before
+//! the standby holds it. Counted on the servers themselves: the records and
+//! effects each node holds, and the backend waiting in `SyncRep`.
+//!
+//! The hole it closes: PostgreSQL turns a cancelled wait for the synchronous
+//! standby into a local commit (`WARNING: canceling wait for synchronous
+//! replication ... already committed locally`). idem used to cancel a
+//! `COMMIT` unanswered within `commit_timeout`: the record became visible on
+//! the primary alone, a retry of the key replayed it, and a failover then
+//! erased the record and its effect, after the client had been told "done".
+
+use std::time::Duration;
+
+use diesel::sql_types::Text;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idem::pool::{build_pool_with, PoolConfig, Replication};
+use idem::{idempotent, retryable, Pool};
+use idem_testing::replica::{self, ReplicaPair};
+use tokio_postgres::Client;
+
+#[derive(Debug, thiserror::Error)]
+enum AppError {
+    #[error(transparent)]
+    Idem(#[from] idem::Error),
+    #[error(transparent)]
+    Db(#[from] diesel::result::Error),
+}
+
+impl idem::IdempotentError for AppError {
+    type Final = ();
+    fn to_final(&self) -> Option<()> {
+        None
+    }
+    fn from_final(_: ()) -> Self {
+        AppError::Idem(idem::Error::ClaimLost)
+    }
+}
+
+#[derive(diesel::QueryableByName)]
+struct Id {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    id: i64,
+}
+
+#[idempotent(key = key, fingerprint(tag), scope = none)]
+#[retryable(max = 2, deadline_ms = 3000, commit_timeout_ms = 500)]
+async fn pay(conn: &mut AsyncPgConnection, key: &str, tag: &str) -> Result<i64, AppError> {
+    let row: Id = diesel::sql_query("INSERT INTO effects (tag) VALUES ($1) RETURNING id")
+        .bind::<Text, _>(tag)
+        .get_result(conn)
+        .await?;
+    Ok(row.id)
+}
+
+const DATABASE: &str = "idem_sync";
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn connect(url: &str) -> Client {
+    idem_testing::connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"))
+}
+
+async fn count(client: &Client, sql: &str) -> i64 {
+    tokio::time::timeout(WAIT, client.query_one(sql, &[]))
+        .await
+        .unwrap_or_else(|_| panic!("{sql}: no answer"))
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get(0)
+}
+
+/// A migrated database with an `effects` table on a synchronous pair, and
+/// a pool of `replication` on its multi-host URL.
+async fn setup(replication: Replication) -> (ReplicaPair, Pool) {
+    let pair = ReplicaPair::start(replica::Replication::Sync)
+        .await
+        .expect("a primary and a synchronous standby");
+    let url = pair.create_database(DATABASE).await.expect("a database");
+    let mut conn = AsyncPgConnection::establish(&pair.primary_url_for(DATABASE))
+        .await
+        .expect("connect");
+    idem::migrate(&mut conn).await.expect("migrate");
+    conn.batch_execute("CREATE TABLE effects (id bigserial PRIMARY KEY, tag text NOT NULL)")
+        .await
+        .expect("schema");
+    drop(conn);
+    pair.wait_caught_up(WAIT).await.expect("caught up");
+    let pool = build_pool_with(
+        &url,
+        &PoolConfig {
+            max_size: 4,
+            wait_timeout: Duration::from_secs(10),
+            replication,
+            ..PoolConfig::default()
+        },
+    )
+    .expect("a pool");
+    (pair, pool)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_waiting_for_the_standby_is_never_reported_or_replayed_and_a_failover_loses_nothing_acknowledged(
+) {
+    let (pair, pool) = setup(Replication::Synchronous).await;
+    pair.stop_standby().await.expect("standby stopped");
+
+    // The COMMIT waits for the standby past commit_timeout: not done.
+    let first = pay(&pool, "k1", "first").await;
+    assert!(
+        first.is_err(),
+        "a commit the standby lacks was reported: {first:?}"
+    );
+    let primary = connect(&pair.primary_url_for(DATABASE)).await;
+    assert_eq!(
+        count(
+            &primary,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
+        )
+        .await,
+        1,
+        "the COMMIT still waits for the standby: idem did not cancel it"
+    );
+    for table in ["idem_requests", "effects"] {
+        assert_eq!(
+            count(&primary, &format!("SELECT count(*) FROM {table}")).await,
+            0,
+            "{table}: nothing the standby lacks is visible on the primary"
+        );
+    }
+    // A duplicate waits behind the first (its lock), and is not a replay.
+    let duplicate = pay(&pool, "k1", "first").await;
+    assert!(
+        duplicate.is_err(),
+        "replayed what the standby lacks: {duplicate:?}"
+    );
+
+    // The primary dies; the standby, which never received the commit, is
+    // promoted; the old primary rejoins as its standby (rewound).
+    pair.kill_primary().await.expect("primary killed");
+    pair.start_standby().await.expect("standby started");
+    pair.promote_standby().await.expect("standby promoted");
+    pair.rejoin_old_primary()
+        .await
+        .expect("old primary rejoined");
+    let promoted = connect(&pair.primary_url_for(DATABASE)).await;
+    assert_eq!(
+        count(&promoted, "SELECT count(*) FROM idem_requests").await,
+        0,
+        "the record was lost with the old primary: no client was told it was done"
+    );
+
+    // The client's retry, through the same pool: it finds the promoted node
+    // and runs the request once there.
+    let mut retried = pay(&pool, "k1", "first").await;
+    for _ in 0..10 {
+        if retried.is_ok() {
+            break;
+        }
+        // The pool's connections to the dead primary are discarded as the
+        // attempts meet them.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        retried = pay(&pool, "k1", "first").await;
+    }
+    let retried = retried.expect("the retry runs on the promoted node");
+    assert!(!retried.replayed);
+    assert_eq!(count(&promoted, "SELECT count(*) FROM effects").await, 1);
+    let again = pay(&pool, "k1", "first").await.expect("a replay");
+    assert!(again.replayed);
+    assert_eq!(again.value, retried.value);
+    assert_eq!(count(&promoted, "SELECT count(*) FROM effects").await, 1);
+}
