@@ -3,6 +3,7 @@
 use async_nats::connection::State;
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
 use async_nats::jetstream::context::{PublishError as JsPublishError, PublishErrorKind};
+use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream::Context;
 use async_nats::Client;
 
@@ -78,6 +79,23 @@ impl NatsPublisher {
     }
 }
 
+/// What an ack says of the message. A duplicate ack with sequence 0 says
+/// it was *not* stored: nats-server answers so when the first copy of a
+/// message id is still being proposed in a clustered stream, or its proposal
+/// was lost in a leader change (nats-server before 2.11; nats-io/nats-server
+/// pull requests 5818 and 5827). Taking it for a publish would mark an event
+/// sent that the stream may never hold; the broker is treated as not ready,
+/// so the event is published again, under the same message id, once it is.
+fn stored(ack: &PublishAck) -> Result<Published, PublishError> {
+    if ack.duplicate && ack.sequence == 0 {
+        return Err(PublishError::unavailable(format!(
+            "stream {} answered `duplicate` with sequence 0: the message was not stored (yet)",
+            ack.stream
+        )));
+    }
+    Ok(Published::new(ack.duplicate))
+}
+
 impl Publisher for NatsPublisher {
     async fn publish(&self, message: &OutboxMessage) -> Result<Published, PublishError> {
         // While the client is away its requests would queue until it
@@ -125,7 +143,7 @@ impl Publisher for NatsPublisher {
             // duplicate window was checked.
             tracing::warn!(expected = %self.stream, stream = %ack.stream, "outbox event stored in another stream than the one checked at start-up");
         }
-        Ok(Published::new(ack.duplicate))
+        stored(&ack)
     }
 
     async fn check(&self) -> Result<(), PublishError> {
@@ -206,4 +224,25 @@ fn status_of(error: &JsPublishError) -> Option<usize> {
 fn header_block_len(fields: &[(&str, &str)]) -> usize {
     let lines: usize = fields.iter().map(|(n, v)| n.len() + 2 + v.len() + 2).sum();
     "NATS/1.0\r\n".len() + lines + 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The acks as nats-server sends them.
+    fn ack(json: &str) -> PublishAck {
+        serde_json::from_str(json).expect("a publish ack")
+    }
+
+    #[test]
+    fn a_duplicate_ack_with_sequence_zero_is_not_a_publish() {
+        let stored_once = stored(&ack(r#"{"stream":"S","seq":7}"#)).expect("stored");
+        assert!(!stored_once.duplicate);
+        let copy = stored(&ack(r#"{"stream":"S","seq":7,"duplicate":true}"#)).expect("a copy");
+        assert!(copy.duplicate, "the stream holds it at 7: published");
+        let not_stored = stored(&ack(r#"{"stream":"S","seq":0,"duplicate":true}"#))
+            .expect_err("sequence 0 says the message was not stored");
+        assert!(not_stored.is_unavailable(), "counted against no event");
+    }
 }
