@@ -184,6 +184,9 @@ pub struct Pool {
     inner: deadpool::managed::Pool<Manager>,
     pooler: Pooler,
     replication: Replication,
+    /// Unique in the process, shared by clones: what a replay cache keys
+    /// the database it reaches by.
+    id: u64,
 }
 
 impl std::fmt::Debug for Pool {
@@ -214,6 +217,12 @@ impl Pool {
     /// Whether a synchronous standby must hold what idem reports committed.
     pub fn replication(&self) -> Replication {
         self.replication
+    }
+
+    /// This pool (and its clones) among the process's pools.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 }
 
@@ -391,10 +400,12 @@ pub fn build_pool_with(database_url: &str, config: &PoolConfig) -> Result<Pool, 
         .create_timeout(Some(config.wait_timeout))
         .runtime(deadpool::Runtime::Tokio1)
         .build()?;
+    static POOLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     Ok(Pool {
         inner,
         pooler: config.pooler,
         replication: config.replication,
+        id: POOLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
     })
 }
 

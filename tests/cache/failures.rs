@@ -20,7 +20,7 @@ async fn redis_down_falls_through_with_the_same_bytes() {
     pay(&env.pool, Some(&cache), &cmd("down", 10.0))
         .await
         .unwrap();
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let up = pay(&counted, Some(&cache), &cmd("down", 10.0)).await;
     assert_eq!(proxy.accepted(), 0, "answered from Redis while it was up");
 
@@ -78,7 +78,7 @@ async fn a_flushed_redis_gives_the_same_bytes() {
 
     assert_eq!(server.command(&["FLUSHALL"]).unwrap(), "+OK");
     assert!(!cached_in_redis(server.url(), &cache, "flushed").await);
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let after = pay(&counted, Some(&cache), &cmd("flushed", 10.0)).await;
     assert_eq!(reply_bytes(&after), reply_bytes(&from_cache));
     assert_eq!(proxy.accepted(), 1, "the database answered");

@@ -65,7 +65,7 @@ async fn an_altered_entry_is_refused_and_the_database_replays() {
     forged.extend_from_slice(&entry[pos + needle.len()..]);
     set(&mut redis, &at, &forged).await;
 
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let duplicate = pay(&counted, Some(&cache), &cmd("altered", 10.0)).await;
     assert!(duplicate.as_ref().unwrap().replayed);
     assert_eq!(
@@ -147,7 +147,7 @@ async fn an_entry_kept_past_its_time_is_refused() {
     assert_eq!(kept, 1, "the entry was there, and now has no TTL");
     tokio::time::sleep(Duration::from_millis(500)).await;
 
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let late = pay(&counted, Some(&cache), &cmd("persisted", 10.0)).await;
     assert!(late.unwrap().replayed);
     assert_eq!(proxy.accepted(), 1, "the database answered");
@@ -238,7 +238,7 @@ async fn rotating_the_secret_invalidates_every_entry() {
         .await
         .expect("rotate");
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let reply = pay(&counted, Some(&cache), &cmd("rotated", 10.0)).await;
     assert!(reply.unwrap().replayed);
     // One connection: the key read again, then the database's replay on it,

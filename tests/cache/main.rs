@@ -22,6 +22,7 @@ mod counted;
 mod failures;
 mod forged;
 mod replays;
+mod shared;
 
 // ---------------------------------------------------------------------------
 // Fixtures
@@ -190,10 +191,16 @@ fn pool_on(url: &str) -> Pool {
 
 impl Env {
     /// A pool whose every connection goes through a proxy of its own, so
-    /// `proxy.accepted()` counts the connections it opened.
-    async fn counted_pool(&self) -> (Pool, Proxy) {
+    /// `counted.accepted()` counts the connections it opened. The cache's
+    /// sealing key is read through it first (as every new pool does once)
+    /// and that connection closed, so the count starts at 0.
+    async fn counted_pool(&self, cache: &ReplayCache) -> (Pool, Counted) {
         let proxy = Proxy::start(self.db.url()).await.expect("a proxy");
-        (pool_on(proxy.url()), proxy)
+        let pool = pool_on(proxy.url());
+        assert!(cache.prepare(&pool).await, "the sealing key is read");
+        proxy.cut_all();
+        let base = proxy.accepted();
+        (pool, Counted { proxy, base })
     }
 
     async fn effects(&self, key: &str) -> i64 {
@@ -210,6 +217,18 @@ impl Env {
             .await
             .unwrap()
             .map(|r| r.get(0))
+    }
+}
+
+/// A proxy's count of the connections it accepted since a point.
+struct Counted {
+    proxy: Proxy,
+    base: usize,
+}
+
+impl Counted {
+    fn accepted(&self) -> usize {
+        self.proxy.accepted() - self.base
     }
 }
 

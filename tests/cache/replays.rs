@@ -17,7 +17,7 @@ async fn a_hit_answers_without_the_database_with_the_database_replays_bytes() {
     assert!(cached_in_redis(&shared_url(), &cache, "hit").await);
 
     let from_db = pay(&env.pool, None, &cmd("hit", 10.0)).await;
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     for _ in 0..20 {
         let from_cache = pay(&counted, Some(&cache), &cmd("hit", 10.0)).await;
         assert_eq!(reply_bytes(&from_cache), reply_bytes(&from_db));
@@ -40,7 +40,7 @@ async fn a_miss_goes_to_the_database_and_warms_the_cache() {
     pay(&env.pool, None, &cmd("miss", 10.0)).await.unwrap();
     assert!(!cached_in_redis(&url, &cache, "miss").await);
 
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let first = pay(&counted, Some(&cache), &cmd("miss", 10.0)).await;
     assert!(first.as_ref().unwrap().replayed);
     assert_eq!(proxy.accepted(), 1, "the miss was answered by the database");
@@ -50,7 +50,7 @@ async fn a_miss_goes_to_the_database_and_warms_the_cache() {
         "{ttl}"
     );
 
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let second = pay(&counted, Some(&cache), &cmd("miss", 10.0)).await;
     assert_eq!(reply_bytes(&second), reply_bytes(&first));
     assert_eq!(proxy.accepted(), 0, "warmed: answered from Redis");
@@ -67,7 +67,7 @@ async fn a_fingerprint_mismatch_is_still_refused_by_the_database() {
         .unwrap();
     assert!(cached_in_redis(&shared_url(), &cache, "mismatch").await);
 
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let other = pay(&counted, Some(&cache), &cmd("mismatch", 11.0)).await;
     assert!(
         matches!(other, Err(AppError::Idem(idem::Error::FingerprintMismatch))),
@@ -91,7 +91,7 @@ async fn final_errors_are_replayed_from_the_cache_as_the_database_replays_them()
     assert!(cached_in_redis(&shared_url(), &cache, "declined").await);
 
     let from_db = pay(&env.pool, None, &cmd("declined", -5.0)).await;
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let from_cache = pay(&counted, Some(&cache), &cmd("declined", -5.0)).await;
     assert_eq!(proxy.accepted(), 0);
     assert_eq!(reply_bytes(&from_cache), reply_bytes(&from_db));
@@ -149,7 +149,7 @@ async fn in_progress_and_unknown_records_are_never_cached() {
     assert!(!done.as_ref().unwrap().replayed);
     assert!(cached_in_redis(&url, &cache, "external").await);
     let from_db = charge(&env.pool, None, &cmd("external", 10.0), &open).await;
-    let (counted, proxy) = env.counted_pool().await;
+    let (counted, proxy) = env.counted_pool(&cache).await;
     let from_cache = charge(&counted, Some(&cache), &cmd("external", 10.0), &open).await;
     assert_eq!(proxy.accepted(), 0);
     assert_eq!(reply_bytes(&from_cache), reply_bytes(&from_db));

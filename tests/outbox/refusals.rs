@@ -135,3 +135,74 @@ async fn refusals_of_a_reachable_broker_count_and_park_the_event() {
     let keys: Vec<(&str, i64)> = stored.iter().map(|m| (m.key.as_str(), m.seq)).collect();
     assert_eq!(keys, vec![("good", 1), ("good", 2), ("good", 3)]);
 }
+
+/// A stream that stores other events but refuses one (its subject is at
+/// the stream's per-subject limit; JetStream answers 503, as it does when it
+/// has no leader) is not down: the refused event is charged and parked as
+/// dead after `max_attempts`, blocking only its key, and every other key's
+/// events go out at full speed meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_event_a_working_stream_cannot_store_is_charged_and_holds_back_no_other_key() {
+    let (db, pool, client) = database().await;
+    let js = jetstream::new(
+        async_nats::connect(nats_url().await)
+            .await
+            .expect("connect to NATS"),
+    );
+    let stream = unique("PERSUBJECT");
+    js.create_stream(stream::Config {
+        name: stream.clone(),
+        subjects: vec![format!("{stream}.>")],
+        max_messages_per_subject: 1,
+        discard: stream::DiscardPolicy::New,
+        discard_new_per_subject: true,
+        duplicate_window: Duration::from_secs(120),
+        storage: stream::StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .expect("create the stream");
+    let env = Env {
+        db,
+        pool,
+        client,
+        js,
+        stream,
+    };
+    // "hot" twice: its subject holds one message, so the second is refused.
+    change(&env.pool, "hot").await.expect("change");
+    change(&env.pool, "hot").await.expect("change");
+    const OTHERS: i64 = 300;
+    for i in 0..OTHERS {
+        change(&env.pool, &format!("good-{i}"))
+            .await
+            .expect("change");
+    }
+
+    let relay = Relay::new(env.pool.clone(), env.publisher().await)
+        .max_attempts(3)
+        .backoff(Duration::from_millis(10), Duration::from_millis(20))
+        .poll_interval(Duration::from_millis(5));
+    let running = Running::start(relay);
+    bounded(env.until("SELECT count(*) FROM idem_outbox WHERE state = 'dead'", 1)).await;
+    bounded(env.until(
+        "SELECT count(*) FROM idem_outbox WHERE state = 'sent'",
+        OTHERS + 1,
+    ))
+    .await;
+    running.stop().await;
+
+    let hot: Vec<(i64, String, i32)> = env
+        .rows()
+        .await
+        .into_iter()
+        .filter(|row| row.1 == "hot")
+        .map(|(_, _, seq, state, attempts)| (seq, state, attempts))
+        .collect();
+    assert_eq!(
+        hot,
+        vec![(1, "sent".to_owned(), 0), (2, "dead".to_owned(), 3)],
+        "the refused event was charged, and parked"
+    );
+    assert_eq!(env.stream_count().await, OTHERS as u64 + 1);
+}

@@ -133,7 +133,12 @@ impl<E> Call<E> {
     {
         let cache = self.cache.as_ref()?;
         let entry = cache
-            .lookup(pool, self.request.scope(), self.request.key())
+            .lookup(
+                pool,
+                self.request.scope(),
+                self.request.key(),
+                self.cache_entry_limit(),
+            )
             .await?;
         if entry.operation != self.request.operation()
             || entry.fingerprint != *self.request.fingerprint()
@@ -178,7 +183,22 @@ impl<E> Call<E> {
             response,
         };
         let (scope, key) = (self.request.scope(), self.request.key());
-        cache.store(pool, scope, key, &entry, done.remaining).await;
+        let limit = self.cache_entry_limit();
+        cache
+            .store(pool, scope, key, &entry, done.remaining, limit)
+            .await;
+    }
+
+    /// The most bytes a cache entry of this call may hold: its response's
+    /// limit, with room for `jsonb`'s longer forms (`1e300` is stored with
+    /// its 301 digits) and the entry's own fields.
+    #[cfg(feature = "redis")]
+    fn cache_entry_limit(&self) -> usize {
+        self.request
+            .config
+            .max_response_bytes
+            .saturating_mul(4)
+            .saturating_add(64 * 1024)
     }
 
     /// The request.

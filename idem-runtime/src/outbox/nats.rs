@@ -136,8 +136,18 @@ impl Publisher for NatsPublisher {
             // The client did not take it: its queue stayed full (it is
             // reconnecting) or it is closed.
             .map_err(PublishError::unavailable_from)?
-            .await
-            .map_err(classify)?;
+            .await;
+        let ack = match ack {
+            Ok(ack) => ack,
+            Err(error) if store_failed(&error) && self.has_room().await => {
+                // A working stream with room that could not store this one
+                // message (its subject over a per-subject limit): this
+                // event's refusal, charged, so that it cannot hold back
+                // every other key as an outage would.
+                return Err(PublishError::from_source(error));
+            }
+            Err(error) => return Err(classify(error)),
+        };
         if ack.stream != self.stream {
             // Another stream captured the subject: acked, but not where the
             // duplicate window was checked.
@@ -193,6 +203,32 @@ impl Publisher for NatsPublisher {
     }
 }
 
+impl NatsPublisher {
+    /// Whether the stream answers with a leader and is under its own limits
+    /// of messages and bytes, so that it stores messages other than one it
+    /// refused.
+    async fn has_room(&self) -> bool {
+        let Ok(stream) = self.context.get_stream(&self.stream).await else {
+            return false;
+        };
+        let info = stream.cached_info();
+        if info.cluster.as_ref().is_some_and(|c| c.leader.is_none()) {
+            return false;
+        }
+        let under = |max: i64, now: u64| max <= 0 || now < max.unsigned_abs();
+        under(info.config.max_messages, info.state.messages)
+            && under(info.config.max_bytes, info.state.bytes)
+    }
+}
+
+/// Whether the stream answered that it failed to store the message (503,
+/// JetStream's error 10077): no leader or no resources are other codes.
+fn store_failed(error: &JsPublishError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|e| e.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|e| e.error_code() == async_nats::jetstream::ErrorCode::STREAM_STORE_FAILED)
+}
+
 /// Sort a failed JetStream publish by its kind and status code.
 fn classify(error: JsPublishError) -> PublishError {
     match error.kind() {
@@ -201,6 +237,8 @@ fn classify(error: JsPublishError) -> PublishError {
         PublishErrorKind::TimedOut
         | PublishErrorKind::BrokenPipe
         | PublishErrorKind::MaxAckPending => PublishError::unavailable_from(error),
+        // The stream could not store it, and is not known to store others
+        // (no leader, no resources, full): waited for.
         PublishErrorKind::Other if status_of(&error) == Some(503) => {
             PublishError::unavailable_from(error)
         }

@@ -211,13 +211,18 @@ impl<P: Publisher> Relay<P> {
         let mut listener: Option<PooledConnection> = None;
         let mut last_cleanup = Instant::now();
         // Waits for the broker in a row: the next wait's step. Reset only by
-        // a round that published with the broker available, so a broker that
-        // passes its check but still fails publishes is waited for longer
-        // and longer, never in a tight loop.
+        // a round that stored something, so a broker that passes its check
+        // but stores nothing is waited for longer and longer, never in a
+        // tight loop.
         let mut outage_steps = 0_u32;
         loop {
             let round = self.run_once().await;
             self.housekeep(&mut last_cleanup).await;
+            if matches!(&round, Ok(round) if round.sent > 0) {
+                // The broker stored something: whatever else failed, it is
+                // not down, and the next wait starts short again.
+                outage_steps = 0;
+            }
             let busy = match round {
                 Ok(round) if round.unavailable > 0 => {
                     if !self
@@ -228,12 +233,7 @@ impl<P: Publisher> Relay<P> {
                     }
                     continue;
                 }
-                Ok(round) => {
-                    if round.sent > 0 {
-                        outage_steps = 0;
-                    }
-                    round.claimed == self.batch_size as usize
-                }
+                Ok(round) => round.claimed == self.batch_size as usize,
                 Err(e) => {
                     tracing::warn!(error = %e, "outbox relay round failed; trying again at the next poll");
                     false

@@ -138,10 +138,14 @@ impl Keyring {
         let read_at = Instant::now();
         let read = async {
             let mut conn = pool.get().await.map_err(|e| e.to_string())?;
-            diesel::sql_query(READ_SQL)
-                .get_result::<Life>(&mut conn)
+            // In a transaction, as everything idem runs: behind a
+            // transaction pooler a bare statement's Parse and Bind may reach
+            // different server connections.
+            conn.build_transaction()
+                .read_only()
+                .run(async |conn| diesel::sql_query(READ_SQL).get_result::<Life>(conn).await)
                 .await
-                .map_err(|e| e.to_string())
+                .map_err(|e: diesel::result::Error| e.to_string())
         };
         let failure = match tokio::time::timeout(READ_TIMEOUT, read).await {
             Ok(Ok(life)) => {

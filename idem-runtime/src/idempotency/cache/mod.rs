@@ -33,6 +33,7 @@
 //! are one per (scope, key)), under [`CacheConfig::prefix`]; the caller's
 //! key never appears in Redis.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -203,8 +204,10 @@ struct Inner {
     config: CacheConfig,
     /// Until when Redis is left alone after a failure.
     resting_until: Mutex<Option<Instant>>,
-    /// The key entries are sealed with, as read from the database.
-    keyring: Arc<keyring::Keyring>,
+    /// The key entries are sealed with, per pool, as read from the database
+    /// the pool reaches: a request is only ever answered with an entry its
+    /// own database sealed, however many databases share the cache.
+    keyrings: Mutex<HashMap<u64, Arc<keyring::Keyring>>>,
     counters: Counters,
 }
 
@@ -246,7 +249,7 @@ impl ReplayCache {
                 conn,
                 config,
                 resting_until: Mutex::new(None),
-                keyring: Arc::default(),
+                keyrings: Mutex::default(),
                 counters: Counters::default(),
             }),
         })
@@ -287,14 +290,35 @@ impl ReplayCache {
         )
     }
 
+    /// Read the key entries are sealed with from `pool`'s database now,
+    /// rather than at the first request that uses the cache with this pool
+    /// (one small query; later reads happen in the background). Returns
+    /// whether it could be read: without `idem::migrate`'s migration 12, or
+    /// with the database down, the cache is not used with this pool until it
+    /// can.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: idem_runtime::Pool) -> Result<(), idem_runtime::idempotency::CacheError> {
+    /// let cache = idem_runtime::idempotency::ReplayCache::new("redis://127.0.0.1:6379")?;
+    /// if !cache.prepare(&pool).await {
+    ///     eprintln!("replay cache off until the database answers");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn prepare(&self, pool: &Pool) -> bool {
+        self.seal_key(pool).await.is_some()
+    }
+
     /// The key to seal with for a request on `pool`, if it can be had.
     async fn seal_key(&self, pool: &Pool) -> Option<entry::SealKey> {
         let config = &self.inner.config;
-        let key = self
-            .inner
-            .keyring
-            .key(pool, config.recheck, config.backoff)
-            .await;
+        let keyring = {
+            let mut keyrings = self.inner.keyrings.lock().ok()?;
+            // Pools are few and live as long as the process; a pool dropped
+            // leaves one small entry behind.
+            Arc::clone(keyrings.entry(pool.id()).or_default())
+        };
+        let key = keyring.key(pool, config.recheck, config.backoff).await;
         if key.is_none() {
             self.count(|c| &c.skipped);
         }
@@ -302,18 +326,44 @@ impl ReplayCache {
     }
 
     /// The entry of a record, if Redis answers in time and has one that
-    /// verifies for this scope and key.
-    pub(crate) async fn lookup(&self, pool: &Pool, scope: &str, key: &str) -> Option<Entry> {
+    /// verifies for this scope and key. At most `limit` bytes are read: a
+    /// larger value is no entry this cache wrote (see [`Self::store`]).
+    pub(crate) async fn lookup(
+        &self,
+        pool: &Pool,
+        scope: &str,
+        key: &str,
+        limit: usize,
+    ) -> Option<Entry> {
         let seal = self.seal_key(pool).await?;
         let mut conn = self.inner.conn.clone();
-        let get = redis::cmd("GET").arg(self.redis_key(scope, key)).to_owned();
-        let bytes: Option<Vec<u8>> = self
+        // GETRANGE, not GET: a huge value planted under the key costs one
+        // bounded read, not a transfer that outlasts the timeout and sends
+        // every request to the database.
+        let get = redis::cmd("GETRANGE")
+            .arg(self.redis_key(scope, key))
+            .arg(0)
+            .arg(limit)
+            .to_owned();
+        let bytes: Vec<u8> = match self
             .guarded(async move { get.query_async(&mut conn).await })
-            .await?;
-        let Some(bytes) = bytes else {
+            .await
+        {
+            Answer::Done(bytes) => bytes,
+            Answer::Unusable => {
+                self.count(|c| &c.rejected);
+                return None;
+            }
+            Answer::Unavailable => return None,
+        };
+        if bytes.is_empty() {
             self.count(|c| &c.misses);
             return None;
-        };
+        }
+        if bytes.len() > limit {
+            self.count(|c| &c.rejected);
+            return None;
+        }
         match Entry::open(&bytes, &seal, scope, key, now_millis()) {
             Ok(entry) => Some(entry),
             Err(Refused::Unreadable) => {
@@ -329,7 +379,9 @@ impl ReplayCache {
     }
 
     /// Keep `entry` for at most half of `remaining` (the record's retention
-    /// left) and [`CacheConfig::max_ttl`], sealed for this scope and key.
+    /// left) and [`CacheConfig::max_ttl`], sealed for this scope and key;
+    /// not at all when it is over `limit` bytes, which a lookup would not
+    /// read.
     pub(crate) async fn store(
         &self,
         pool: &Pool,
@@ -337,6 +389,7 @@ impl ReplayCache {
         key: &str,
         entry: &Entry,
         remaining: Duration,
+        limit: usize,
     ) {
         let ttl = self.inner.config.max_ttl.min(remaining / 2);
         let millis = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
@@ -347,6 +400,9 @@ impl ReplayCache {
             return;
         };
         let sealed = entry.seal(&seal, scope, key, now_millis().saturating_add(millis));
+        if sealed.len() > limit {
+            return;
+        }
         let mut conn = self.inner.conn.clone();
         let set = redis::cmd("SET")
             .arg(self.redis_key(scope, key))
@@ -354,10 +410,10 @@ impl ReplayCache {
             .arg("PX")
             .arg(millis)
             .to_owned();
-        let written: Option<()> = self
+        let written: Answer<()> = self
             .guarded(async move { set.query_async(&mut conn).await })
             .await;
-        if written.is_some() {
+        if let Answer::Done(()) = written {
             self.count(|c| &c.writes);
         }
     }
@@ -378,19 +434,25 @@ impl ReplayCache {
         counter(&self.inner.counters).fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Run one command within the timeout, unless Redis is resting; a
-    /// failure starts its rest.
+    /// Run one command within the timeout, unless Redis is resting. A
+    /// failure of Redis starts its rest; an error about the one key (a value
+    /// of another type planted there) does not: it would let one forged key
+    /// turn the cache off for every other.
     async fn guarded<T>(
         &self,
         command: impl std::future::Future<Output = redis::RedisResult<T>>,
-    ) -> Option<T> {
+    ) -> Answer<T> {
         let resting = self.inner.resting_until.lock().map(|g| *g).ok().flatten();
         if resting.is_some_and(|until| Instant::now() < until) {
             self.count(|c| &c.skipped);
-            return None;
+            return Answer::Unavailable;
         }
         let failure = match tokio::time::timeout(self.inner.config.timeout, command).await {
-            Ok(Ok(value)) => return Some(value),
+            Ok(Ok(value)) => return Answer::Done(value),
+            Ok(Err(e)) if of_the_key(&e) => {
+                tracing::warn!(error = %e, "a replay cache entry is not a value the cache wrote: the database answers");
+                return Answer::Unusable;
+            }
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {:?}", self.inner.config.timeout),
         };
@@ -400,8 +462,24 @@ impl ReplayCache {
             *until = Some(Instant::now() + backoff);
         }
         tracing::warn!(error = %failure, ?backoff, "the replay cache is unavailable: requests go to the database");
-        None
+        Answer::Unavailable
     }
+}
+
+/// What a Redis command came to.
+enum Answer<T> {
+    Done(T),
+    /// Redis answered, with an error about the key: nothing to serve, and
+    /// no reason to leave Redis alone.
+    Unusable,
+    /// Redis failed, timed out, or is resting.
+    Unavailable,
+}
+
+/// Whether Redis refused the command because of what the key holds (a hash
+/// or a list where a string should be), rather than failing.
+fn of_the_key(e: &redis::RedisError) -> bool {
+    e.code() == Some("WRONGTYPE") || e.kind() == redis::ErrorKind::UnexpectedReturnType
 }
 
 /// A value usable as `cache = ..` in `#[idempotent]`: a [`ReplayCache`], a
