@@ -257,8 +257,8 @@ async fn what_a_row_made_is_told_per_tenant() {
     assert_eq!(after, before);
 }
 
-/// `idem_transitions` as stored: `(table_name, identity, version, from,
-/// to, xmin)`, by identity.
+/// `idem_transitions` as stored: `(table, identity, version, from, to,
+/// xmin)`, by identity (the table as its oid reads: `payments`).
 async fn records(
     conn: &mut AsyncPgConnection,
 ) -> Vec<(String, String, i64, String, String, String)> {
@@ -278,8 +278,8 @@ async fn records(
         xmin: String,
     }
     diesel::sql_query(
-        "SELECT table_name, identity::text AS identity, version, from_state, to_state, \
-         xmin::text AS xmin FROM idem_transitions ORDER BY identity",
+        "SELECT table_oid::text AS table_name, identity::text AS identity, version, from_state, \
+         to_state, xmin::text AS xmin FROM idem_transitions ORDER BY identity",
     )
     .load::<Record>(conn)
     .await
@@ -322,8 +322,8 @@ async fn a_transition_records_itself_with_its_write_and_only_then() {
     assert_eq!(
         edges,
         [
-            ("\"payments\"", "[1, 1]", 2, "paid", "returned"),
-            ("\"payments\"", "[2, 1]", 1, "pending", "cancelled"),
+            ("payments", "[1, 1]", 2, "paid", "returned"),
+            ("payments", "[2, 1]", 1, "pending", "cancelled"),
         ]
     );
 

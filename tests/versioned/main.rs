@@ -15,6 +15,7 @@ use serde_json::json;
 use tokio::sync::Barrier;
 
 mod duplicates;
+mod identity;
 mod prepared;
 mod shapes;
 mod transitions;

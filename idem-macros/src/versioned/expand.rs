@@ -178,7 +178,7 @@ pub(crate) fn model(model: &Model) -> TokenStream {
                                 (changes.__changeset(), ::idem::__private::diesel::query_builder::AsChangeset::as_changeset(#col.eq(__idem_to))),
                                 <Self as ::idem::Versioned>::VERSION_COLUMN,
                                 #cas_filter.and(#col.eq(__idem_from)),
-                                Self::as_select(),
+                                ::idem::__private::TransitionRecord::returning(Self::as_select()),
                             ),
                             __idem_identity,
                             record,
@@ -325,6 +325,28 @@ pub(crate) fn model(model: &Model) -> TokenStream {
                 ) -> impl ::core::future::Future<Output = ::core::result::Result<::core::option::Option<Self>, #derr>> + ::core::marker::Send + 'c
                 {
                     #transition_update
+                }
+
+                fn __load_made<'c>(conn: &'c mut #conn_ty, __idem_tenant: Self::Tenant, __idem_key: Self::Key, record: &'c ::idem::__private::TransitionRecord)
+                    -> impl ::core::future::Future<Output = ::core::result::Result<::core::option::Option<(Self, ::core::primitive::bool)>, #derr>> + ::core::marker::Send + 'c
+                {
+                    async move {
+                        // The record names the row by its identity; the read
+                        // gives the row, and whether the record was written
+                        // with the row version it returns.
+                        let __idem_made = record.made(
+                            #table::table,
+                            <Self as ::idem::Versioned>::__identity(
+                                ::core::clone::Clone::clone(&__idem_tenant),
+                                ::core::clone::Clone::clone(&__idem_key),
+                            ),
+                        );
+                        #bind_row
+                        #rqd::get_result(
+                            #table::table.filter(#row_filter).select((Self::as_select(), __idem_made)),
+                            conn,
+                        ).await.optional()
+                    }
                 }
 
                 fn __identity(__idem_tenant: Self::Tenant, __idem_key: Self::Key)

@@ -98,6 +98,9 @@ pub(crate) fn model(input: &ModelInput, roles: &Roles, err: syn::Error) -> Token
         )),
         future(quote!(usize)),
     );
+    let made = future(quote!(
+        ::core::option::Option<(Self, ::core::primitive::bool)>
+    ));
     quote! {
         const _: () = {
             #unresolved
@@ -137,6 +140,9 @@ pub(crate) fn model(input: &ModelInput, roles: &Roles, err: syn::Error) -> Token
                     _: #conn, _: Self::Tenant, _: Self::Key, _: i64,
                     _: Self::State, _: Self::State, _: &'c ::idem::__private::TransitionRecord, _: &'c C,
                 ) -> #rows {
+                    async move { ::core::unreachable!() }
+                }
+                fn __load_made<'c>(_: #conn, _: Self::Tenant, _: Self::Key, _: &'c ::idem::__private::TransitionRecord) -> #made {
                     async move { ::core::unreachable!() }
                 }
                 fn __identity(_: Self::Tenant, _: Self::Key)

@@ -250,6 +250,18 @@ pub trait Versioned: Sized + Send + Sync + 'static {
         changes: &'c C,
     ) -> impl Future<Output = Result<Option<Self>, DieselError>> + Send + 'c;
 
+    /// The row, with whether it made the transition `record` describes: its
+    /// record in `idem_transitions` has that version and edge and was
+    /// written with the row's current version (`TransitionRecord::made`),
+    /// read in one statement with the row.
+    #[doc(hidden)]
+    fn __load_made<'c>(
+        conn: &'c mut AsyncPgConnection,
+        tenant: Self::Tenant,
+        key: Self::Key,
+        record: &'c TransitionRecord,
+    ) -> impl Future<Output = Result<Option<(Self, bool)>, DieselError>> + Send + 'c;
+
     /// The row's identity as `idem_transitions` keys it: a `JsonbArray` of
     /// the tenant (unless `tenant = none`) and the key columns, each bound
     /// with its column's SQL type.

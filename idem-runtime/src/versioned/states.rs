@@ -68,10 +68,13 @@ pub trait StateMachine: Clone + Debug + PartialEq + Send + Sync + 'static {
 /// version (most likely by this very request, retried), so the caller can
 /// answer success and the upstream stops retrying. A row that got to that
 /// state and version another way (by another declared edge into the same
-/// state, or by a plain update of a row already in it) answers
+/// state, by a plain update of a row already in it, or as a row whose
+/// versions started again after a `TRUNCATE` or a delete) answers
 /// [`Stale`](super::VersionedError::Stale) with the row's version: read it
 /// again. Anything else stays an error too (`Stale`, `NotFound`,
-/// `StateMismatch`).
+/// `StateMismatch`). A record names its table by oid (two schemas never
+/// share one) and is bound to the very write it made, the row version's
+/// `xmin`: see `docs/versioned.md`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Transitioned<M> {
     /// This call made the transition: the row as written, version + 1.

@@ -7,7 +7,7 @@ use diesel::query_builder::QueryFragment;
 use diesel_async::AsyncPgConnection;
 
 use super::builder::{judge, NoChanges, Pending, TenantGiven, Update, VersionGiven, WithChanges};
-use super::record::{self, TransitionRecord};
+use super::record::TransitionRecord;
 use super::{StateMachine, Transitioned, Versioned, VersionedChanges, VersionedError};
 use crate::attempt;
 
@@ -43,7 +43,9 @@ impl<M: Versioned, T, V, C> Update<M, T, V, C> {
     /// [`migrate`](crate::migrate::migrate) first). When no row matches, it
     /// is answered [`Transitioned::Duplicate`] only if the row is in `to` at
     /// the expected version + 1 and that version was written by this very
-    /// transition, `from` -> `to`, as its record says; otherwise the error is
+    /// transition, `from` -> `to`, as its record says (a record names its
+    /// table by oid and is bound to the transaction id of the write it made,
+    /// which must still be the row's `xmin`); otherwise the error is
     /// `Stale`, `NotFound` or `StateMismatch`, as for any update.
     pub fn transition(self, from: M::State, to: M::State) -> Transition<M, T, V, C>
     where
@@ -119,14 +121,14 @@ impl<M: Versioned, T, V, C> Transition<M, T, V, C> {
             }
             let tenant = update.tenant.into_tenant();
             let expected = update.version.expected();
-            let record = TransitionRecord {
-                table: M::table_sql(),
-                // Only ever stored by a write that matched, at `expected`,
-                // which cannot be `i64::MAX` (the bump would overflow first).
-                version: expected.saturating_add(1),
-                from: as_text(&from),
-                to: as_text(&to),
-            };
+            // Only ever stored by a write that matched, at `expected`,
+            // which cannot be `i64::MAX` (the bump would overflow first).
+            let record = TransitionRecord::new(
+                &M::table_sql(),
+                expected.saturating_add(1),
+                as_text(&from),
+                as_text(&to),
+            );
             let written = M::__transition(
                 conn,
                 tenant.clone(),
@@ -142,31 +144,30 @@ impl<M: Versioned, T, V, C> Transition<M, T, V, C> {
                 return Ok(Transitioned::Applied(row));
             }
             // The read that classifies: the whole row, so that a duplicate
-            // is answered with it (and, for a candidate duplicate only, its
-            // record).
+            // is answered with it, and in the same statement whether its
+            // record says this very transition wrote its current version.
             let id = attempt::RowId::of::<M, _>(&update.key);
-            let current = M::__load(conn, tenant.clone(), update.key.clone(), false).await?;
+            let current = M::__load_made(conn, tenant, update.key, &record).await?;
             match current {
                 // In `to` at the version this transition would have written:
                 // a duplicate only if that version's write was this very
                 // transition, which only its record can say (another edge
-                // into `to`, or a plain update of a row already in `to`,
-                // leaves the row looking the same). Otherwise the row is at
-                // another version than expected: `Stale`.
-                Some(row)
+                // into `to`, a plain update of a row already in `to`, or a
+                // row whose versions started again leaves the row looking
+                // the same). Otherwise the row is at another version than
+                // expected: `Stale`.
+                Some((row, made))
                     if expected.checked_add(1) == Some(row.version())
                         && row.__state().as_ref() == Some(&to) =>
                 {
-                    let identity = M::__identity(tenant, update.key);
-                    let last = record::last_transition(conn, &record.table, identity).await?;
-                    if record.made(last) {
+                    if made {
                         return Ok(Transitioned::Duplicate(row));
                     }
                     let probe = Some((row.version(), row.__state()));
                     Err(judge::<M>(id, probe, expected, Some(from)))
                 }
                 current => {
-                    let probe = current.map(|row| (row.version(), row.__state()));
+                    let probe = current.map(|(row, _)| (row.version(), row.__state()));
                     Err(judge::<M>(id, probe, expected, Some(from)))
                 }
             }
