@@ -171,3 +171,102 @@ async fn a_commit_waiting_for_the_standby_is_never_reported_or_replayed_and_a_fa
     assert_eq!(again.value, retried.value);
     assert_eq!(count(&promoted, "SELECT count(*) FROM effects").await, 1);
 }
+
+/// A record made visible on the primary alone (its commit's wait for the
+/// standby was cancelled: here by a pool left at `Replication::Single`, as
+/// an operator's `pg_cancel_backend` or `client_connection_check_interval`
+/// would) is not replayed by a `Replication::Synchronous` pool until the
+/// standby holds it: the duplicate is answered 503 at its deadline, and
+/// replays once the standby is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_visible_on_the_primary_alone_is_not_replayed_until_the_standby_holds_it() {
+    let (pair, pool) = setup(Replication::Synchronous).await;
+    let cancelling = build_pool_with(
+        &pair.url_for(DATABASE),
+        &PoolConfig {
+            max_size: 2,
+            wait_timeout: Duration::from_secs(10),
+            ..PoolConfig::default()
+        },
+    )
+    .expect("a pool");
+    pair.stop_standby().await.expect("standby stopped");
+    let first = pay(&cancelling, "k2", "second").await;
+    assert!(first.is_err(), "{first:?}");
+    let primary = connect(&pair.primary_url_for(DATABASE)).await;
+    assert_eq!(
+        count(
+            &primary,
+            "SELECT count(*) FROM idem_requests WHERE key = 'k2'"
+        )
+        .await,
+        1,
+        "the cancelled wait committed the record locally: visible, not replicated"
+    );
+
+    let duplicate = pay(&pool, "k2", "second").await;
+    assert!(
+        duplicate.is_err(),
+        "replayed a record the standby does not hold: {duplicate:?}"
+    );
+
+    pair.start_standby().await.expect("standby back");
+    let replayed = pay(&pool, "k2", "second")
+        .await
+        .expect("a replay, now that the standby holds it");
+    assert!(replayed.replayed);
+    assert_eq!(
+        count(
+            &primary,
+            "SELECT count(*) FROM effects WHERE tag = 'second'"
+        )
+        .await,
+        1
+    );
+}
+
+/// Without the right to read the standbys' positions (the role that ran
+/// `idem::migrate` is neither a superuser nor in `pg_read_all_stats`), a
+/// replay with `Replication::Synchronous` is refused with an error that says
+/// so, rather than waiting for a position it cannot see, or replaying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_cannot_read_the_standbys_positions_is_told_so() {
+    let pair = ReplicaPair::start(replica::Replication::Sync)
+        .await
+        .expect("a primary and a synchronous standby");
+    pair.create_database("idem_app").await.expect("a database");
+    let admin = connect(&pair.primary_url_for("idem_app")).await;
+    admin
+        .batch_execute(
+            "CREATE ROLE app LOGIN; ALTER DATABASE idem_app OWNER TO app;
+             ALTER SCHEMA public OWNER TO app;",
+        )
+        .await
+        .expect("an unprivileged owner");
+    let as_app = |url: String| url.replace("postgres://postgres@", "postgres://app@");
+    let mut conn = AsyncPgConnection::establish(&as_app(pair.primary_url_for("idem_app")))
+        .await
+        .expect("connect as app");
+    idem::migrate(&mut conn).await.expect("migrate as app");
+    conn.batch_execute("CREATE TABLE effects (id bigserial PRIMARY KEY, tag text NOT NULL)")
+        .await
+        .expect("schema");
+    drop(conn);
+    let pool = build_pool_with(
+        &as_app(pair.url_for("idem_app")),
+        &PoolConfig {
+            max_size: 2,
+            replication: Replication::Synchronous,
+            ..PoolConfig::default()
+        },
+    )
+    .expect("a pool");
+    let fresh = pay(&pool, "k3", "third").await.expect("a fresh request");
+    assert!(!fresh.replayed);
+    let duplicate = pay(&pool, "k3", "third").await;
+    let message = format!("{duplicate:?}");
+    assert!(
+        duplicate.is_err() && message.contains("pg_stat_replication"),
+        "{message}"
+    );
+}

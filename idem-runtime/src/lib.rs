@@ -12,6 +12,7 @@ pub mod migrate;
 pub mod outbox;
 pub mod pool;
 pub mod retry;
+mod standby;
 mod tx;
 pub mod versioned;
 

@@ -52,6 +52,7 @@
 //! | 11 | `transitions` | the table `idem_transitions`: the last `.transition(from, to)` of each row, which tells a repeated transition from another write, see [`Transitioned`](crate::versioned::Transitioned) |
 //! | 12 | `cache_secret` | the table `idem_cache_secret`: the random secret the Redis replay cache seals its entries with (with the database's life), so that an entry written by someone who can only write to Redis, or left from before a restore, is refused |
 //! | 13 | `transitions_bound` | the columns `idem_transitions.table_oid` (the table as the transition's statement resolved it) and `row_xid` (the id of the (sub)transaction that wrote the row version), the key `(table_oid, identity)`; `table_name` becomes null for new records (kept, and unique, for an earlier build's): a record is bound to its table and to the very write it made, see [`Transitioned`](crate::versioned::Transitioned) |
+//! | 14 | `standby_holds` | the function `idem_standby_holds(target)`, which waits until every synchronous standby has flushed WAL up to `target`: with [`Replication::Synchronous`](crate::pool::Replication::Synchronous), a replay and a publish wait for it |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -195,6 +196,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 13,
         name: "transitions_bound",
         sql: include_str!("../migrations/0013_transitions_bound.sql"),
+    },
+    Migration {
+        version: 14,
+        name: "standby_holds",
+        sql: include_str!("../migrations/0014_standby_holds.sql"),
     },
 ];
 

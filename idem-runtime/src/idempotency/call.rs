@@ -258,7 +258,7 @@ impl<E> Call<E> {
             self.takeover = stored.is_some();
             match stored.map_or(Found::New, |s| self.request.judge(s)) {
                 Found::New => {}
-                found => return Some(self.found(found)),
+                found => return Some(self.replayable(attempt, found).await),
             }
             return match &self.pending_final {
                 // The final error, stored without the body's writes.
@@ -310,9 +310,29 @@ impl<E> Call<E> {
                 self.claimed = true;
                 Some(Ok(Step::Again(Duration::ZERO)))
             }
-            Ok(Claimed::Found(found)) => Some(self.found(found)),
+            Ok(Claimed::Found(found)) => Some(self.replayable(attempt, found).await),
             Err(e) => Some(Err(db(e))),
         }
+    }
+
+    /// [`Self::found`], once a stored outcome about to be replayed is known
+    /// to be on the synchronous standby, when the pool says there is one
+    /// (see `crate::standby`): a replay must not show what a failover could
+    /// erase. The wait is bounded by the call's deadline.
+    async fn replayable<V: DeserializeOwned>(
+        &mut self,
+        attempt: &mut Attempt,
+        found: Found,
+    ) -> Result<StepOf<V, E>, E>
+    where
+        E: IdempotentError,
+    {
+        if matches!(found, Found::Replay(..)) && attempt.synchronous() {
+            crate::standby::wait_held(attempt.conn())
+                .await
+                .map_err(db::<E>)?;
+        }
+        self.found(found)
     }
 
     /// What a record found by the claim answers.

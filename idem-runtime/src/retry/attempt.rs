@@ -108,6 +108,12 @@ impl Attempt {
         self.follows_unknown_commit
     }
 
+    /// Whether a synchronous standby must hold what this attempt shows
+    /// (its pool's [`Replication`](crate::pool::Replication)).
+    pub(crate) fn synchronous(&self) -> bool {
+        self.tx.as_ref().and_then(Tx::replication) == Some(crate::pool::Replication::Synchronous)
+    }
+
     /// The connection the attempt's body runs on.
     ///
     /// # Panics

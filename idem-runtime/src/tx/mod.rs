@@ -192,6 +192,11 @@ impl Tx {
         conn
     }
 
+    /// Its pool's [`Replication`], while it has its connection.
+    pub(crate) fn replication(&self) -> Option<Replication> {
+        self.conn.as_ref().map(|conn| conn.replication())
+    }
+
     fn wire(&self) -> Option<&Wire> {
         self.conn.as_ref().map(|conn| conn.wire())
     }
