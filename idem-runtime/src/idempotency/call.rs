@@ -260,6 +260,7 @@ impl<E> Call<E> {
                 Found::New => {}
                 found => return Some(self.replayable(attempt, found).await),
             }
+            let synchronous = attempt.synchronous();
             return match &self.pending_final {
                 // The final error, stored without the body's writes.
                 Some((_, stored)) => {
@@ -273,9 +274,17 @@ impl<E> Call<E> {
                             // it, or runs again and declines again): a COMMIT
                             // that keeps going unanswered must not hold the
                             // answer past `commit_timeout`.
-                            Step::Committed(Err(CommitFailure::Unknown)) => {
+                            Step::Committed(Err(CommitFailure::Unknown)) if !synchronous => {
                                 tracing::warn!(key = %self.request.key(), "storing a final error got no answer to COMMIT; answered, maybe unrecorded");
                                 Step::Committed(Ok(Reply::FinalStored))
+                            }
+                            // With a synchronous standby, not: the decline
+                            // would be reported before the standby holds it,
+                            // and a failover would leave the key new. The
+                            // caller gets CommitUnknown instead.
+                            Step::Committed(Err(CommitFailure::Unknown)) => {
+                                self.pending_final = None;
+                                Step::Committed(Err(CommitFailure::Unknown))
                             }
                             step => answer(step, Reply::FinalStored),
                         }
@@ -306,7 +315,15 @@ impl<E> Call<E> {
                 Some(Ok(Step::CommitAndContinue))
             }
             // External: this call's own claim, whose commit went unanswered.
+            // With a synchronous standby, resumed only once the standby holds
+            // it: a claim made visible by a cancelled wait, and lost in a
+            // failover, would let the outside call run twice.
             Ok(Claimed::Found(Found::Mine)) => {
+                if attempt.synchronous() {
+                    if let Err(e) = crate::standby::wait_held(attempt.conn()).await {
+                        return Some(Err(db(e)));
+                    }
+                }
                 self.claimed = true;
                 Some(Ok(Step::Again(Duration::ZERO)))
             }

@@ -166,7 +166,12 @@ impl Tx {
         // From here, whether BEGIN ran is not known until it is answered: a
         // drop closes the connection.
         tx.open = true;
-        let sql = timeouts.begin_sql(isolation);
+        let mut sql = timeouts.begin_sql(isolation);
+        if tx.replication() == Some(Replication::Synchronous) {
+            // A lower setting (a database's or role's default of `local` or
+            // `off`) would acknowledge a commit the standby lacks.
+            sql.push_str("; SET LOCAL synchronous_commit = on");
+        }
         match AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await {
             Ok(()) => {
                 tx.begun = tx.wire().map(Wire::marks).unwrap_or_default();
