@@ -107,6 +107,10 @@ pub mod jobs {
     };
 }
 
+/// The operator's API (stats, dead lists, requeue, discard, settle, purge,
+/// migrations, doctor) that the `idem` command line is built on.
+pub use idem_runtime::operate;
+
 #[cfg(feature = "axum")]
 pub mod http;
 

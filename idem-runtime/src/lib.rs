@@ -9,6 +9,7 @@ pub mod idempotency;
 pub mod inbox;
 pub mod jobs;
 pub mod migrate;
+pub mod operate;
 pub mod outbox;
 pub mod pool;
 pub mod retry;

@@ -1,0 +1,240 @@
+//! The command line, as clap parses it.
+
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// The operator's command line for a database idem uses.
+#[derive(Debug, Parser)]
+#[command(name = "idem", version, about, propagate_version = true)]
+pub struct Cli {
+    /// The database (postgres://user@host:port/db); defaults to $DATABASE_URL.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Print JSON instead of tables, for scripts.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply idem's migrations; `migrate status` lists applied and pending.
+    Migrate(MigrateArgs),
+    /// One idempotency record: show or settle it.
+    #[command(subcommand)]
+    Key(KeyCmd),
+    /// Outbox events: backlog, dead events, requeue, discard.
+    #[command(subcommand)]
+    Outbox(OutboxCmd),
+    /// Compensation jobs: counts, dead jobs, requeue, discard.
+    #[command(subcommand)]
+    Jobs(JobsCmd),
+    /// Inbox records: counts, dead letters, purge.
+    #[command(subcommand)]
+    Inbox(InboxCmd),
+    /// Delete what retention allows.
+    Purge(PurgeArgs),
+    /// Check the server and the schema: each check ok, warn or fail.
+    Doctor(DoctorArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    /// Print the embedded SQL instead of applying it (needs no database).
+    #[arg(long)]
+    pub print_sql: bool,
+    #[command(subcommand)]
+    pub action: Option<MigrateAction>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum MigrateAction {
+    /// Applied and pending migrations; exit 1 when any is pending or altered.
+    Status,
+}
+
+#[derive(Debug, Args)]
+pub struct KeyArgs {
+    /// The scope value as JSON, as the function's `scope = ..` gives it
+    /// (`[7]` for `(7_i64,)`); `null` for none.
+    #[arg(long, default_value = "null", value_parser = json)]
+    pub scope: serde_json::Value,
+    /// The idempotency key.
+    pub key: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeyCmd {
+    /// State, outcome, fingerprint, age, expiry and owner of a key's record.
+    Show {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// Also print the stored response (it may hold personal data).
+        #[arg(long)]
+        show_response: bool,
+    },
+    /// Decide an outcome-unknown (or stuck) record.
+    Settle {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// The target did it: store this response (JSON) and replay it.
+        #[arg(long, value_parser = json, conflicts_with = "released", required_unless_present = "released")]
+        completed: Option<serde_json::Value>,
+        /// The target did not: release the key, so a retry runs again.
+        #[arg(long)]
+        released: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct PageArgs {
+    /// At most this many rows.
+    #[arg(long, default_value_t = 50)]
+    pub limit: i64,
+    /// Skip this many rows first.
+    #[arg(long, default_value_t = 0)]
+    pub offset: i64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum OutboxCmd {
+    /// Pending and dead counts, and the oldest pending event's age.
+    Stats,
+    /// Dead events, oldest first.
+    Dead {
+        /// Only this key's.
+        #[arg(long)]
+        key: Option<String>,
+        #[command(flatten)]
+        page: PageArgs,
+    },
+    /// Put one dead event (by id), or many (--all), back in line.
+    Requeue {
+        /// The event's id.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        id: Option<String>,
+        /// Every dead event (of --key), oldest first, at most --limit.
+        #[arg(long)]
+        all: bool,
+        /// With --all: only this key's.
+        #[arg(long, requires = "all")]
+        key: Option<String>,
+        /// With --all: at most this many.
+        #[arg(long, default_value_t = 100, requires = "all")]
+        limit: i64,
+    },
+    /// Delete one dead event: it is never published, its key moves on.
+    Discard {
+        /// The event's id.
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobsCmd {
+    /// Due, running and dead counts, and the longest overdue wait.
+    Stats,
+    /// Dead jobs, oldest failure first.
+    Dead {
+        /// Only this kind.
+        #[arg(long)]
+        kind: Option<String>,
+        #[command(flatten)]
+        page: PageArgs,
+    },
+    /// Make one dead job (by id), or many (--all), due again.
+    Requeue {
+        /// The job's id.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        id: Option<i64>,
+        /// Every dead job (of --kind), oldest first, at most --limit.
+        #[arg(long)]
+        all: bool,
+        /// With --all: only this kind.
+        #[arg(long, requires = "all")]
+        kind: Option<String>,
+        /// With --all: at most this many.
+        #[arg(long, default_value_t = 100, requires = "all")]
+        limit: i64,
+    },
+    /// Delete one dead job: its compensation will not run.
+    Discard {
+        /// The job's id.
+        id: i64,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum InboxCmd {
+    /// Done and dead counts per consumer.
+    Stats,
+    /// A consumer's dead letters, oldest first (requeue them from the
+    /// consumer's code: the effect is there).
+    Dead {
+        /// The consumer's name.
+        #[arg(long)]
+        consumer: String,
+        #[command(flatten)]
+        page: PageArgs,
+    },
+    /// Delete a consumer's done records older than --older-than.
+    Purge {
+        /// The consumer's name.
+        #[arg(long)]
+        consumer: String,
+        /// Records settled longer ago than this (`7d`, `12h`, `30m`, `45s`);
+        /// longer than any message can still be redelivered.
+        #[arg(long, value_parser = duration)]
+        older_than: Duration,
+        /// Rows per statement.
+        #[arg(long, default_value_t = 1000)]
+        batch: i64,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct PurgeArgs {
+    /// Completed records past their retention (and expired leases, marked
+    /// outcome unknown). Required: it names what is purged.
+    #[arg(long, required = true)]
+    pub expired: bool,
+    /// Also outbox events sent longer ago than this (`1h`, `7d`).
+    #[arg(long, value_parser = duration)]
+    pub outbox_sent_older_than: Option<Duration>,
+    /// Rows per statement.
+    #[arg(long, default_value_t = 1000)]
+    pub batch: i64,
+}
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// The pool size of each instance that connects (repeat it); their sum
+    /// is checked against max_connections.
+    #[arg(long = "pool-size")]
+    pub pool_sizes: Vec<u32>,
+}
+
+fn json(s: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(s).map_err(|e| format!("not JSON: {e}"))
+}
+
+/// `45s`, `30m`, `12h`, `7d`, or bare seconds.
+fn duration(s: &str) -> Result<Duration, String> {
+    let (n, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 45s, 30m, 12h, 7d"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86_400,
+        _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
+    };
+    Ok(Duration::from_secs(secs))
+}

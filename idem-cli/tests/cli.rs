@@ -1,0 +1,315 @@
+//! The `idem` binary against real databases: a fresh one per test, with
+//! records, events and jobs made by the library itself.
+
+use std::process::Command;
+
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idem::jobs::{enqueue, Enqueued, Job};
+use idem::outbox::{emit, EmitError, Event, EventId};
+use idem::pool::build_pool;
+use idem::{idempotent, retryable, Pool};
+use idem_testing::TestDatabase;
+use serde::{Deserialize, Serialize};
+
+/// Runs the binary with `--database-url url` and no `DATABASE_URL`.
+fn idem(url: &str, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .env_remove("DATABASE_URL")
+        .arg("--database-url")
+        .arg(url)
+        .args(args)
+        .output()
+        .expect("the binary runs");
+    (
+        out.status.code().expect("exited, not killed"),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(stdout: &str) -> serde_json::Value {
+    serde_json::from_str(stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
+}
+
+#[derive(Debug, thiserror::Error)]
+enum AppError {
+    #[error(transparent)]
+    Db(#[from] diesel::result::Error),
+    #[error(transparent)]
+    Idem(#[from] idem::Error),
+    #[error(transparent)]
+    Emit(#[from] EmitError),
+    #[error(transparent)]
+    Enqueue(#[from] idem::jobs::EnqueueError),
+    #[error("refused")]
+    Refused,
+}
+
+impl idem::IdempotentError for AppError {
+    type Final = ();
+    fn to_final(&self) -> Option<()> {
+        None
+    }
+    fn from_final(_: ()) -> Self {
+        AppError::Refused
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Paid {
+    order: String,
+}
+
+impl Event for Paid {
+    const KIND: &'static str = "paid";
+    const VERSION: u32 = 1;
+    fn key(&self) -> String {
+        self.order.clone()
+    }
+}
+
+impl Job for Paid {
+    const KIND: &'static str = "refund";
+    fn key(&self) -> String {
+        self.order.clone()
+    }
+}
+
+/// A payment: its record, an event and a compensation job, all by the library.
+#[idempotent(key = key, scope = tenant, fingerprint(amount))]
+async fn pay(
+    conn: &mut AsyncPgConnection,
+    tenant: i64,
+    key: &str,
+    amount: i64,
+) -> Result<i64, AppError> {
+    let paid = Paid {
+        order: format!("order-{amount}"),
+    };
+    let _: EventId = emit(conn, &paid).await?;
+    let _: Enqueued = enqueue(conn, &paid).await?;
+    Ok(amount * 100)
+}
+
+#[retryable(max = 2)]
+async fn noop(_conn: &mut AsyncPgConnection) -> Result<(), AppError> {
+    Ok(())
+}
+
+async fn migrated(db: &TestDatabase) -> Pool {
+    let pool = build_pool(db.url()).expect("pool");
+    let mut conn = pool.get().await.expect("conn");
+    idem::migrate(&mut conn).await.expect("migrated");
+    drop(conn);
+    noop(&pool).await.expect("a transaction runs");
+    pool
+}
+
+#[tokio::test]
+async fn migrate_status_and_doctor_before_and_after() {
+    let db = TestDatabase::create().await.expect("database");
+    let url = db.url();
+
+    let (code, out, _) = idem(url, &["migrate", "status"]);
+    assert_eq!(code, 1, "pending migrations: {out}");
+    assert!(
+        out.contains("1        version_guard") && out.contains("pending"),
+        "{out}"
+    );
+
+    let (code, out, err) = idem(url, &["doctor"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("FAIL  migrations"), "{out}");
+    assert!(
+        out.contains("1 version_guard") && out.contains("14 standby_holds"),
+        "{out}"
+    );
+    assert!(out.contains("fix: run `idem migrate`"), "{out}");
+
+    let (code, out, _) = idem(url, &["--json", "migrate"]);
+    assert_eq!(code, 0, "{out}");
+    let applied = json(&out);
+    assert_eq!(
+        applied.as_array().map(Vec::len),
+        Some(idem::migrate::migrations().len())
+    );
+
+    let (code, out, _) = idem(url, &["migrate"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("nothing to apply"), "{out}");
+
+    let (code, out, _) = idem(url, &["--json", "migrate", "status"]);
+    assert_eq!(code, 0, "{out}");
+    let status = json(&out);
+    assert_eq!(status["pending"].as_array().map(Vec::len), Some(0), "{out}");
+
+    let (code, out, err) = idem(url, &["doctor", "--pool-size", "10"]);
+    assert_eq!(code, 0, "{out}{err}");
+    for name in [
+        "server",
+        "migrations",
+        "version guards",
+        "connections",
+        "pooler",
+        "replication",
+        "backlog",
+    ] {
+        assert!(out.contains(name), "{name} missing: {out}");
+    }
+    let (code, out, _) = idem(url, &["doctor", "--json", "--pool-size", "100000"]);
+    assert_eq!(code, 1, "a pool bigger than max_connections fails: {out}");
+    let report = json(&out);
+    assert_eq!(report["ok"], false);
+    let connections = report["checks"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["name"] == "connections"))
+        .expect("a connections check");
+    assert_eq!(connections["state"], "fail", "{out}");
+}
+
+#[tokio::test]
+async fn records_events_and_jobs_made_by_the_library() {
+    let db = TestDatabase::create().await.expect("database");
+    let url = db.url();
+    let pool = migrated(&db).await;
+    assert_eq!(
+        pay(&pool, 7, "pay-1", 12).await.expect("paid").into_inner(),
+        1200
+    );
+
+    // The record, under its scope value.
+    let (code, out, _) = idem(url, &["key", "show", "--scope", "7", "pay-1"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("completed") && out.contains("(hidden"),
+        "{out}"
+    );
+    assert!(!out.contains("1200"), "the response is hidden: {out}");
+    let (code, out, _) = idem(
+        url,
+        &[
+            "--json",
+            "key",
+            "show",
+            "--scope",
+            "7",
+            "pay-1",
+            "--show-response",
+        ],
+    );
+    assert_eq!(code, 0);
+    let rec = json(&out);
+    assert_eq!(rec["state"], "completed");
+    assert_eq!(rec["outcome"], "ok");
+    assert_eq!(rec["response"], 1200);
+    assert_eq!(rec["fingerprint"].as_str().map(str::len), Some(64));
+    let (code, out, _) = idem(url, &["--json", "key", "show", "--scope", "7", "pay-1"]);
+    assert_eq!(code, 0);
+    assert!(json(&out).get("response").is_none(), "{out}");
+    let (code, _, err) = idem(url, &["key", "show", "--scope", "8", "pay-1"]);
+    assert_eq!(code, 1, "another tenant's key is not there");
+    assert!(err.contains("no record"), "{err}");
+
+    // The event and the job die as the relay and the worker would park them.
+    let mut conn = pool.get().await.expect("conn");
+    diesel::sql_query(
+        "UPDATE idem_outbox SET state = 'dead', attempts = 5, last_error = 'the broker refused'",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("event parked");
+    diesel::sql_query(
+        "UPDATE idem_jobs SET state = 'dead', attempts = 3, last_error = 'the bank said no', failed_at = now()",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("job parked");
+
+    let (code, out, _) = idem(url, &["--json", "outbox", "stats"]);
+    assert_eq!(code, 0);
+    assert_eq!(json(&out)["dead"], 1, "{out}");
+    let (code, out, _) = idem(url, &["outbox", "dead"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("order-12") && out.contains("the broker refused"),
+        "{out}"
+    );
+    let (_, out, _) = idem(url, &["--json", "outbox", "dead"]);
+    let id = json(&out)[0]["id"].as_str().expect("an id").to_owned();
+    let (code, out, _) = idem(url, &["outbox", "requeue", &id]);
+    assert_eq!(code, 0, "{out}");
+    let (code, _, _) = idem(url, &["outbox", "requeue", &id]);
+    assert_eq!(code, 1, "not dead any more");
+    let (_, out, _) = idem(url, &["--json", "outbox", "stats"]);
+    assert_eq!(
+        (json(&out)["dead"].clone(), json(&out)["pending"].clone()),
+        (0.into(), 1.into())
+    );
+    let (code, _, err) = idem(url, &["outbox", "discard", "not-a-uuid"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.starts_with("idem: ") && err.lines().count() == 1,
+        "{err}"
+    );
+
+    let (code, out, _) = idem(url, &["jobs", "dead"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("refund") && out.contains("the bank said no"),
+        "{out}"
+    );
+    let (code, out, _) = idem(
+        url,
+        &["--json", "jobs", "requeue", "--all", "--limit", "10"],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json(&out)[0]["result"], "due", "{out}");
+    let (_, out, _) = idem(url, &["--json", "jobs", "stats"]);
+    assert_eq!(
+        (json(&out)["dead"].clone(), json(&out)["due"].clone()),
+        (0.into(), 1.into())
+    );
+
+    // Retention: the record expires, the purge deletes it.
+    diesel::sql_query("UPDATE idem_requests SET expires_at = now() - interval '1 second'")
+        .execute(&mut conn)
+        .await
+        .expect("expired");
+    let (code, out, _) = idem(url, &["--json", "purge", "--expired"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json(&out)["deleted"], 1, "{out}");
+    let (code, _, _) = idem(url, &["key", "show", "--scope", "7", "pay-1"]);
+    assert_eq!(code, 1, "purged");
+
+    let (code, out, _) = idem(url, &["inbox", "stats"]);
+    assert_eq!((code, out.as_str()), (0, "(none)\n"));
+}
+
+#[test]
+fn usage_errors_exit_2_and_bad_urls_exit_1_in_one_line() {
+    let (code, _, err) = idem("postgres://x@127.0.0.1:1/db", &["outbox"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, _) = idem("postgres://x@127.0.0.1:1/db", &["purge"]);
+    assert_eq!(code, 2, "--expired is required");
+    let (code, _, _) = idem(
+        "postgres://x@127.0.0.1:1/db",
+        &["key", "show", "--scope", "{", "k"],
+    );
+    assert_eq!(code, 2, "a scope that is not JSON");
+
+    let (code, out, err) = idem("postgres://x@127.0.0.1:1/db", &["outbox", "stats"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("idem: ") && !err.contains("panicked"),
+        "{err}"
+    );
+    let (code, _, err) = idem("not a url", &["jobs", "stats"]);
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+
+    // --print-sql needs no database.
+    let (code, out, _) = idem("postgres://x@127.0.0.1:1/db", &["migrate", "--print-sql"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("-- idem migration 1 (version_guard)"), "{out}");
+}
