@@ -90,11 +90,11 @@ pub enum KeyCmd {
 
 #[derive(Debug, Args)]
 pub struct PageArgs {
-    /// At most this many rows.
-    #[arg(long, default_value_t = 50)]
+    /// At most this many rows (1 to 500).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..=500))]
     pub limit: i64,
     /// Skip this many rows first.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i64).range(0..))]
     pub offset: i64,
 }
 
@@ -121,8 +121,9 @@ pub enum OutboxCmd {
         /// With --all: only this key's.
         #[arg(long, requires = "all")]
         key: Option<String>,
-        /// With --all: at most this many.
-        #[arg(long, default_value_t = 100, requires = "all")]
+        /// With --all: at most this many (1 to 10000).
+        #[arg(long, default_value_t = 100, requires = "all",
+              value_parser = clap::value_parser!(i64).range(1..=10_000))]
         limit: i64,
     },
     /// Delete one dead event: it is never published, its key moves on.
@@ -155,8 +156,9 @@ pub enum JobsCmd {
         /// With --all: only this kind.
         #[arg(long, requires = "all")]
         kind: Option<String>,
-        /// With --all: at most this many.
-        #[arg(long, default_value_t = 100, requires = "all")]
+        /// With --all: at most this many (1 to 10000).
+        #[arg(long, default_value_t = 100, requires = "all",
+              value_parser = clap::value_parser!(i64).range(1..=10_000))]
         limit: i64,
     },
     /// Delete one dead job: its compensation will not run.
@@ -229,12 +231,16 @@ fn duration(s: &str) -> Result<Duration, String> {
     let n: u64 = n
         .parse()
         .map_err(|_| format!("{s:?} is not a duration like 45s, 30m, 12h, 7d"))?;
-    let secs = match unit {
-        "s" => n,
-        "m" => n * 60,
-        "h" => n * 3600,
-        "d" => n * 86_400,
+    let unit_secs: u64 = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
         _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
     };
-    Ok(Duration::from_secs(secs))
+    // Checked: a wrapped product would purge far newer rows than asked.
+    n.checked_mul(unit_secs)
+        .filter(|secs| *secs <= i64::MAX as u64 / 1000)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("{s:?} is longer than any retention idem can use"))
 }

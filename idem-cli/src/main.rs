@@ -17,6 +17,16 @@ fn main() -> ExitCode {
     // A bug must still end in one line, not a backtrace.
     std::panic::set_hook(Box::new(|info| {
         let line = info.to_string().replace('\n', " ");
+        // `println!` panics when stdout fails: a reader that stopped
+        // reading (`| head`) is no error of ours; anything else (a full
+        // disk) is one line and exit 1, never a panic's 101.
+        if line.contains("failed printing to stdout") {
+            if line.contains("Broken pipe") {
+                std::process::exit(0);
+            }
+            eprintln!("idem: could not write the output: {line}");
+            std::process::exit(1);
+        }
         eprintln!("idem: internal error: {line}");
     }));
     let cli = args::Cli::parse();

@@ -313,3 +313,67 @@ fn usage_errors_exit_2_and_bad_urls_exit_1_in_one_line() {
     assert_eq!(code, 0);
     assert!(out.contains("-- idem migration 1 (version_guard)"), "{out}");
 }
+
+/// What a hostile pass broke: a limit of 0 requeued one, a duration that
+/// overflows wrapped (or panicked), a closed pipe or a full disk gave a
+/// panic's exit 101, and a refused connection said only "db error".
+#[test]
+fn limits_durations_pipes_and_refused_connections() {
+    let url = "postgres://x@127.0.0.1:1/db";
+    for args in [
+        &["outbox", "requeue", "--all", "--limit", "0"][..],
+        &["jobs", "requeue", "--all", "--limit", "0"],
+        &["outbox", "dead", "--limit", "0"],
+        &[
+            "purge",
+            "--expired",
+            "--outbox-sent-older-than",
+            "999999999999999999h",
+        ],
+        &[
+            "inbox",
+            "purge",
+            "--consumer",
+            "c",
+            "--older-than",
+            "213503982334602d",
+        ],
+    ] {
+        let (code, _, err) = idem(url, args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+    }
+
+    // The output goes nowhere: a reader that stopped is no error, a full
+    // disk is one line and exit 1.
+    let full = std::fs::File::create("/dev/full").expect("/dev/full");
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["--database-url", url, "migrate", "--print-sql"])
+        .stdout(full)
+        .output()
+        .expect("the binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["--database-url", url, "migrate", "--print-sql"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("it ends");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The server's reason, not "db error" alone.
+    let server = idem_testing::server_url().expect("a PostgreSQL server");
+    if let Some((_, rest)) = server.split_once('@') {
+        let (code, _, err) = idem(&format!("postgres://no_such_role_here@{rest}"), &["doctor"]);
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("no_such_role_here"), "{err}");
+    }
+}

@@ -282,8 +282,16 @@ impl deadpool::managed::Manager for Manager {
     async fn create(&self) -> Result<Connection, ConnectionError> {
         let wire = Arc::new(Wire::default());
         let observe = wire::Observe(Arc::clone(&wire));
+        // tokio-postgres says only "db error" at the top; the server's
+        // reason (no such database, authentication failed) is its source.
         let driver_error = |e: tokio_postgres::Error| {
-            ConnectionError::BadConnection(format!("could not connect: {e}"))
+            let mut reason = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(cause) = source {
+                reason = format!("{reason}: {cause}");
+                source = cause.source();
+            }
+            ConnectionError::BadConnection(format!("could not connect: {reason}"))
         };
         let (client, mut connection) = self.config.connect(observe).await.map_err(driver_error)?;
         let conn = match self.pooler {

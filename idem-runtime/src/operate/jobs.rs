@@ -135,8 +135,12 @@ pub async fn requeue_dead_jobs(
     kind: Option<&str>,
     limit: i64,
 ) -> Result<Vec<(i64, JobRequeue)>, OperateError> {
+    // At most `limit`: none for 0 (or less), never one more than asked.
+    if limit <= 0 {
+        return Ok(Vec::new());
+    }
     let mut conn = pool.get().await?;
-    let dead = jobs::dead(&mut conn, kind, limit.max(1)).await?;
+    let dead = jobs::dead(&mut conn, kind, limit).await?;
     let mut done = Vec::with_capacity(dead.len());
     for job in dead {
         done.push((

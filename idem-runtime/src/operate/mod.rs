@@ -94,14 +94,14 @@ impl Default for Page {
 impl Page {
     /// The rows the existing listing calls must fetch to cover this page.
     fn through(&self) -> i64 {
-        self.limit.max(1).saturating_add(self.offset.max(0))
+        self.limit.max(0).saturating_add(self.offset.max(0))
     }
 
     /// This page's rows out of the first [`through`](Page::through) rows.
     fn cut<T>(&self, rows: Vec<T>) -> Vec<T> {
         rows.into_iter()
             .skip(usize::try_from(self.offset.max(0)).unwrap_or(usize::MAX))
-            .take(usize::try_from(self.limit.max(1)).unwrap_or(usize::MAX))
+            .take(usize::try_from(self.limit.max(0)).unwrap_or(usize::MAX))
             .collect()
     }
 }

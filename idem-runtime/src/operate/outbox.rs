@@ -100,7 +100,7 @@ pub async fn dead_events(
          ORDER BY created_at, seq LIMIT $2 OFFSET $3",
     )
     .bind::<Nullable<Text>, _>(key)
-    .bind::<BigInt, _>(page.limit.max(1))
+    .bind::<BigInt, _>(page.limit.max(0))
     .bind::<BigInt, _>(page.offset.max(0))
     .load(&mut conn)
     .await?;
