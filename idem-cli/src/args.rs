@@ -85,6 +85,10 @@ pub enum KeyCmd {
         /// The target did not: release the key, so a retry runs again.
         #[arg(long)]
         released: bool,
+        /// Settle a claim whose lease still runs (its request may still be
+        /// calling the target: a retry released now could run beside it).
+        #[arg(long)]
+        force: bool,
     },
 }
 

@@ -182,8 +182,24 @@ pub async fn run(cli: &Cli) -> Result<u8> {
             key,
             completed,
             released,
+            force,
         }) => {
             let pool = pool(cli)?;
+            if !*force {
+                let live = operate::show_key(&pool, &key.scope, &key.key)
+                    .await?
+                    .filter(|rec| rec.state == "in_progress")
+                    .and_then(|rec| rec.lease_left)
+                    .filter(|left| !left.is_zero());
+                if let Some(left) = live {
+                    eprintln!(
+                        "idem: the claim of key {:?} is held for {} more: its request may still be calling the target; wait for the lease, or pass --force",
+                        key.key,
+                        dur(left)
+                    );
+                    return Ok(1);
+                }
+            }
             let settlement = match (completed, released) {
                 (Some(response), false) => Settlement::Completed(response.clone()),
                 _ => Settlement::Released,

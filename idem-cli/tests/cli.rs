@@ -377,3 +377,54 @@ fn limits_durations_pipes_and_refused_connections() {
         assert!(err.contains("no_such_role_here"), "{err}");
     }
 }
+
+/// A claim whose lease still runs (its request may still be calling the
+/// target) is not settled without `--force`: a retry released now could run
+/// beside it.
+#[tokio::test]
+async fn a_live_claim_is_settled_only_with_force() {
+    let db = TestDatabase::create().await.expect("a database");
+    drop(migrated(&db).await);
+    let scope = idem::idempotency::scope_hash(&7_i64).expect("scope");
+    let client = idem_testing::connect(db.url()).await.expect("connect");
+    tokio_postgres::Client::execute(
+        &client,
+        "INSERT INTO idem_requests (scope, key, operation, fingerprint, mode, state,
+                                        expires_at, lease_until, owner)
+             VALUES ($1, 'live', 'refund', decode(repeat('00', 32), 'hex'), 'external',
+                     'in_progress', now() + interval '1 day', now() + interval '10 minutes',
+                     decode(repeat('11', 16), 'hex'))",
+        &[&scope],
+    )
+    .await
+    .expect("a live claim");
+    // Released, the record is gone.
+    let state = || async {
+        client
+            .query_opt("SELECT state FROM idem_requests WHERE key = 'live'", &[])
+            .await
+            .expect("the record")
+            .map(|row| row.get::<_, String>(0))
+    };
+    let (code, _, err) = idem(
+        db.url(),
+        &["key", "settle", "--scope", "7", "live", "--released"],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("--force"), "{err}");
+    assert_eq!(state().await.as_deref(), Some("in_progress"), "untouched");
+    let (code, _, err) = idem(
+        db.url(),
+        &[
+            "key",
+            "settle",
+            "--scope",
+            "7",
+            "live",
+            "--released",
+            "--force",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(state().await, None, "released with --force");
+}
