@@ -114,6 +114,9 @@ pub use idem_runtime::operate;
 #[cfg(feature = "axum")]
 pub mod http;
 
+#[cfg(feature = "admin")]
+pub mod admin;
+
 /// What generated code reaches; not a public API.
 #[doc(hidden)]
 pub use idem_runtime::__private;

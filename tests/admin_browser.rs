@@ -1,0 +1,598 @@
+//! `idem::admin` in a real browser: headless Chromium driven through
+//! chromedriver (WebDriver over HTTP, a small client below) against the
+//! admin router over a fresh database whose records, events and jobs the
+//! library made. Needs `apt-get install chromium chromium-driver`; without
+//! them the test fails, it does not skip.
+//!
+//! `IDEM_ADMIN_SCREENSHOT=docs/admin-overview.png` (relative to the crate)
+//! also writes the overview's screenshot there; it always goes to
+//! `target/tmp/admin-overview.png`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::{Method, Request};
+use hyper_util::rt::TokioIo;
+use idem::admin::{self, AdminConfig};
+use idem::jobs::{enqueue, Enqueued, Job, Ladder, Worker};
+use idem::outbox::{emit, EmitError, Event, EventId};
+use idem::pool::build_pool;
+use idem::{idempotent, Pool};
+use idem_testing::TestDatabase;
+use scoped_futures::ScopedFutureExt;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+
+#[derive(Debug, thiserror::Error)]
+enum AppError {
+    #[error(transparent)]
+    Db(#[from] diesel::result::Error),
+    #[error(transparent)]
+    Idem(#[from] idem::Error),
+    #[error(transparent)]
+    Emit(#[from] EmitError),
+    #[error(transparent)]
+    Enqueue(#[from] idem::jobs::EnqueueError),
+    #[error("refused")]
+    Refused,
+}
+
+impl idem::IdempotentError for AppError {
+    type Final = ();
+    fn to_final(&self) -> Option<()> {
+        None
+    }
+    fn from_final(_: ()) -> Self {
+        AppError::Refused
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Refund {
+    order: String,
+}
+
+impl Event for Refund {
+    const KIND: &'static str = "paid";
+    const VERSION: u32 = 1;
+    fn key(&self) -> String {
+        self.order.clone()
+    }
+}
+
+impl Job for Refund {
+    const KIND: &'static str = "refund";
+    fn key(&self) -> String {
+        self.order.clone()
+    }
+}
+
+/// A payment: its idempotency record, an event and a compensation job.
+#[idempotent(key = key, scope = tenant, fingerprint(amount))]
+async fn pay(
+    conn: &mut AsyncPgConnection,
+    tenant: i64,
+    key: &str,
+    amount: i64,
+) -> Result<i64, AppError> {
+    let paid = Refund {
+        order: format!("order-{amount}"),
+    };
+    let _: EventId = emit(conn, &paid).await?;
+    let _: Enqueued = enqueue(conn, &paid).await?;
+    Ok(amount * 100)
+}
+
+/// Whether the refund handler fails (the bank says no).
+static BANK_SAYS_NO: AtomicBool = AtomicBool::new(true);
+
+/// A worker whose first failure parks a job (no ladder steps).
+fn worker(pool: &Pool) -> Worker {
+    Worker::new(pool.clone())
+        .ladder(Ladder::new(Vec::new()))
+        .handle(|_conn, _job: &Refund| {
+            async move {
+                if AtomicBool::load(&BANK_SAYS_NO, Ordering::SeqCst) {
+                    Err("the bank said <b>no</b>".to_owned())
+                } else {
+                    Ok(())
+                }
+            }
+            .scope_boxed()
+        })
+}
+
+#[derive(diesel::QueryableByName)]
+struct Count {
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// Rows of `table` by state, as the database holds them.
+async fn counts(pool: &Pool, table: &str) -> Vec<(String, i64)> {
+    let mut conn = pool.get().await.expect("conn");
+    let rows: Vec<Count> = diesel::sql_query(format!(
+        "SELECT state::text AS state, count(*) AS n FROM {table} GROUP BY state ORDER BY state"
+    ))
+    .load(&mut conn)
+    .await
+    .expect("counted");
+    rows.into_iter().map(|c| (c.state, c.n)).collect()
+}
+
+fn count_of(counts: &[(String, i64)], state: &str) -> i64 {
+    counts
+        .iter()
+        .find(|(s, _)| s == state)
+        .map_or(0, |(_, n)| *n)
+}
+
+// ---- a minimal HTTP/1.1 client (one connection per request) ----
+
+struct Reply {
+    status: u16,
+    body: String,
+}
+
+async fn http(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(connection);
+    let mut request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string());
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .expect("request");
+    let response = sender.send_request(request).await.expect("a response");
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    Reply {
+        status,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+// ---- WebDriver over that client ----
+
+/// chromedriver, killed on drop.
+struct Driver {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Driver {
+    async fn start() -> Driver {
+        for program in [CHROMIUM, CHROMEDRIVER] {
+            assert!(
+                Path::new(program).exists(),
+                "{program} is missing: apt-get install chromium chromium-driver"
+            );
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = Command::new(CHROMEDRIVER)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver starts (apt-get install chromium chromium-driver)");
+        let driver = Driver {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if tokio::net::TcpStream::connect(driver.addr).await.is_ok() {
+                let status = driver.call(Method::GET, "/status", None).await;
+                if status["value"]["ready"] == true {
+                    return driver;
+                }
+            }
+            assert!(Instant::now() < deadline, "chromedriver did not get ready");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Value {
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let reply = http(
+            self.addr,
+            method.clone(),
+            path,
+            &[("content-type", "application/json")],
+            &body,
+        )
+        .await;
+        let value: Value = serde_json::from_str(&reply.body)
+            .unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {}", reply.body));
+        assert!(
+            reply.status == 200,
+            "{method} {path} {body}: {} {}",
+            reply.status,
+            reply.body
+        );
+        value
+    }
+
+    async fn session(&self) -> Session<'_> {
+        let caps = json!({"capabilities": {"alwaysMatch": {
+            "browserName": "chrome",
+            "goog:chromeOptions": {
+                "binary": CHROMIUM,
+                "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                         "--disable-dev-shm-usage", "--window-size=1100,560"]
+            }
+        }}});
+        let v = self.call(Method::POST, "/session", Some(caps)).await;
+        let id = v["value"]["sessionId"]
+            .as_str()
+            .expect("a session id")
+            .to_owned();
+        Session { driver: self, id }
+    }
+}
+
+struct Session<'d> {
+    driver: &'d Driver,
+    id: String,
+}
+
+const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
+
+impl Session<'_> {
+    async fn cmd(&self, method: Method, path: &str, body: Option<Value>) -> Value {
+        self.driver
+            .call(method, &format!("/session/{}{path}", self.id), body)
+            .await["value"]
+            .clone()
+    }
+    async fn go(&self, url: &str) {
+        self.cmd(Method::POST, "/url", Some(json!({ "url": url })))
+            .await;
+    }
+    async fn find(&self, css: &str) -> String {
+        let v = self
+            .cmd(
+                Method::POST,
+                "/element",
+                Some(json!({"using": "css selector", "value": css})),
+            )
+            .await;
+        v[ELEMENT]
+            .as_str()
+            .unwrap_or_else(|| panic!("no element {css}: {v}"))
+            .to_owned()
+    }
+    async fn count(&self, css: &str) -> usize {
+        let v = self
+            .cmd(
+                Method::POST,
+                "/elements",
+                Some(json!({"using": "css selector", "value": css})),
+            )
+            .await;
+        v.as_array().map_or(0, Vec::len)
+    }
+    async fn text(&self, css: &str) -> String {
+        let e = self.find(css).await;
+        self.cmd(Method::GET, &format!("/element/{e}/text"), None)
+            .await
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+    async fn click(&self, css: &str) {
+        let e = self.find(css).await;
+        self.cmd(
+            Method::POST,
+            &format!("/element/{e}/click"),
+            Some(json!({})),
+        )
+        .await;
+    }
+    async fn script(&self, script: &str) {
+        self.cmd(
+            Method::POST,
+            "/execute/sync",
+            Some(json!({"script": script, "args": []})),
+        )
+        .await;
+    }
+    /// Submits a form the page did not render: `fields` to `action`.
+    async fn post_form(&self, action: &str, fields: &[(&str, &str)]) {
+        let fields = serde_json::to_string(fields).expect("json");
+        self.script(&format!(
+            "const f = document.createElement('form'); f.method = 'post'; f.action = {};\
+             for (const [k, v] of {fields}) {{ const i = document.createElement('input');\
+             i.type = 'hidden'; i.name = k; i.value = v; f.appendChild(i); }}\
+             document.body.appendChild(f); f.submit();",
+            serde_json::to_string(action).expect("json")
+        ))
+        .await;
+        // The navigation the submit started.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    async fn screenshot(&self) -> Vec<u8> {
+        let v = self.cmd(Method::GET, "/screenshot", None).await;
+        base64(v.as_str().expect("base64 png"))
+    }
+    async fn quit(self) {
+        self.driver
+            .call(Method::DELETE, &format!("/session/{}", self.id), None)
+            .await;
+    }
+}
+
+/// Standard base64, padded.
+fn base64(s: &str) -> Vec<u8> {
+    let val = |c: u8| match c {
+        b'A'..=b'Z' => c - b'A',
+        b'a'..=b'z' => c - b'a' + 26,
+        b'0'..=b'9' => c - b'0' + 52,
+        b'+' => 62,
+        b'/' => 63,
+        _ => panic!("not base64: {c}"),
+    };
+    let bytes: Vec<u8> = s
+        .bytes()
+        .filter(|c| !c.is_ascii_whitespace() && *c != b'=')
+        .collect();
+    let mut out = Vec::with_capacity(bytes.len() * 3 / 4);
+    for chunk in bytes.chunks(4) {
+        let mut n = 0u32;
+        for (i, c) in chunk.iter().enumerate() {
+            n |= u32::from(val(*c)) << (18 - 6 * i);
+        }
+        let [_, a, b, c] = n.to_be_bytes();
+        out.push(a);
+        if chunk.len() > 2 {
+            out.push(b);
+        }
+        if chunk.len() > 3 {
+            out.push(c);
+        }
+    }
+    out
+}
+
+// ---- the test ----
+
+async fn serve(app: Router, with_peer: bool) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        if with_peer {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .await
+        } else {
+            axum::serve(listener, app).await
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn the_admin_page_in_headless_chromium() {
+    let started = Instant::now();
+    // Fail early, before any database work, when the browser is missing.
+    let driver = Driver::start().await;
+
+    let db = TestDatabase::create().await.expect("database");
+    let pool = build_pool(db.url()).expect("pool");
+    let mut conn = pool.get().await.expect("conn");
+    idem::migrate(&mut conn).await.expect("migrated");
+
+    // Two payments: two records, two events, two refund jobs.
+    for (key, amount) in [("pay-1", 12), ("pay-2", 13)] {
+        pay(&pool, 7, key, amount).await.expect("paid");
+    }
+    // The bank refuses: the worker parks both jobs (no ladder steps).
+    let round = worker(&pool).run_once().await.expect("a round");
+    assert_eq!(round.dead, 2, "{round:?}");
+    // One event is parked as the relay would after its attempts.
+    diesel::sql_query(
+        "UPDATE idem_outbox SET state = 'dead', attempts = 5, last_error = 'the broker refused'
+         WHERE key = 'order-12'",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("event parked");
+    drop(conn);
+
+    let app = Router::new()
+        .nest(
+            "/admin",
+            admin::router(pool.clone(), AdminConfig::new().actions(true)),
+        )
+        .nest("/ro", admin::router(pool.clone(), AdminConfig::new()))
+        .nest(
+            "/authz",
+            admin::router(
+                pool.clone(),
+                AdminConfig::new().authorize(Arc::new(|parts: &axum::http::request::Parts| {
+                    parts.headers.contains_key("x-operator")
+                })),
+            ),
+        );
+    let addr = serve(app.clone(), true).await;
+    let base = format!("http://{addr}");
+    let browser = driver.session().await;
+
+    // 1. The overview shows the counts the database holds.
+    browser.go(&format!("{base}/admin")).await;
+    let jobs = counts(&pool, "idem_jobs").await;
+    let outbox = counts(&pool, "idem_outbox").await;
+    let records = counts(&pool, "idem_requests").await;
+    for (css, want) in [
+        ("#jobs-dead", count_of(&jobs, "dead")),
+        ("#jobs-due", count_of(&jobs, "due")),
+        ("#outbox-dead", count_of(&outbox, "dead")),
+        ("#outbox-pending", count_of(&outbox, "pending")),
+        ("#records-completed", count_of(&records, "completed")),
+        ("#records-unknown", count_of(&records, "unknown")),
+    ] {
+        assert_eq!(browser.text(css).await, want.to_string(), "{css}");
+    }
+    assert_eq!((count_of(&jobs, "dead"), count_of(&outbox, "dead")), (2, 1));
+    let png = browser.screenshot().await;
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "a PNG");
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("admin-overview.png");
+    std::fs::write(&tmp, &png).expect("screenshot written");
+    if let Ok(path) = std::env::var("IDEM_ADMIN_SCREENSHOT") {
+        std::fs::write(Path::new(env!("CARGO_MANIFEST_DIR")).join(path), &png)
+            .expect("screenshot written");
+    }
+
+    // 2. The dead jobs are listed, with their kind, key and error.
+    let dead = idem::operate::dead_jobs(&pool, None, idem::operate::Page::default())
+        .await
+        .expect("dead jobs");
+    let job = dead
+        .iter()
+        .find(|j| j.key == "order-12")
+        .expect("order-12's job")
+        .id;
+    browser.go(&format!("{base}/admin/jobs")).await;
+    assert_eq!(browser.count("tr.job").await, 2);
+    let row = browser.text(&format!("#job-{job}")).await;
+    assert!(
+        row.contains("refund")
+            && row.contains("order-12")
+            && row.contains("the bank said <b>no</b>"),
+        "{row}"
+    );
+    assert!(row.contains("hidden"), "payloads hidden by default: {row}");
+
+    // 3. A POST without the token, or with a forged one, is refused and
+    //    changes nothing (sent by the browser, which has the cookie).
+    let action = format!("{base}/admin/jobs/action");
+    let op = format!("requeue:{job}");
+    browser.post_form(&action, &[("op", &op)]).await;
+    assert!(
+        browser.text("#refused").await.contains("CSRF"),
+        "no token refused"
+    );
+    browser.go(&format!("{base}/admin/jobs")).await;
+    browser
+        .post_form(
+            &action,
+            &[("op", &op), ("csrf", &format!("{:0>16}.{:0>64}", 0, 0))],
+        )
+        .await;
+    assert!(
+        browser.text("#refused").await.contains("CSRF"),
+        "forged token refused"
+    );
+    let raw = http(
+        addr,
+        Method::POST,
+        "/admin/jobs/action",
+        &[("content-type", "application/x-www-form-urlencoded")],
+        &format!("op=requeue%3A{job}"),
+    )
+    .await;
+    assert_eq!(raw.status, 403, "{}", raw.body);
+    assert_eq!(count_of(&counts(&pool, "idem_jobs").await, "dead"), 2);
+
+    // 4. The read-only router lists without actions and refuses a POST.
+    browser.go(&format!("{base}/ro/jobs")).await;
+    assert_eq!(browser.count("tr.job").await, 2);
+    assert_eq!(browser.count("button[name=op]").await, 0, "no actions");
+    browser
+        .post_form(&format!("{base}/ro/jobs/action"), &[("op", &op)])
+        .await;
+    assert!(
+        browser.text("#refused").await.contains("read-only"),
+        "read-only refused"
+    );
+    let raw = http(
+        addr,
+        Method::POST,
+        "/ro/jobs/action",
+        &[("content-type", "application/x-www-form-urlencoded")],
+        &format!("op=requeue%3A{job}"),
+    )
+    .await;
+    assert_eq!(raw.status, 403, "{}", raw.body);
+    assert_eq!(count_of(&counts(&pool, "idem_jobs").await, "dead"), 2);
+
+    // 5. The authorize hook and the loopback rule refuse.
+    browser.go(&format!("{base}/authz")).await;
+    assert!(browser.text("#refused").await.contains("Not authorized"));
+    let raw = http(addr, Method::GET, "/authz", &[("x-operator", "me")], "").await;
+    assert_eq!(raw.status, 200, "authorized");
+    let without_peer = serve(app, false).await;
+    let raw = http(without_peer, Method::GET, "/ro", &[], "").await;
+    assert_eq!(raw.status, 403, "no peer address: refused");
+
+    // 6. Requeue from the page: the job is due, and a worker runs it.
+    browser.go(&format!("{base}/admin/jobs")).await;
+    browser.click(&format!("#requeue-{job}")).await;
+    let result = browser.text("#result").await;
+    assert!(result.contains(&format!("job {job}: due")), "{result}");
+    let jobs = counts(&pool, "idem_jobs").await;
+    assert_eq!(
+        (count_of(&jobs, "due"), count_of(&jobs, "dead")),
+        (1, 1),
+        "{jobs:?}"
+    );
+    BANK_SAYS_NO.store(false, Ordering::SeqCst);
+    let round = worker(&pool).run_once().await.expect("a round");
+    assert_eq!(round.done, 1, "{round:?}");
+    let jobs = counts(&pool, "idem_jobs").await;
+    assert_eq!(jobs, vec![("dead".to_owned(), 1)], "the requeued job ran");
+    browser.go(&format!("{base}/admin")).await;
+    assert_eq!(browser.text("#jobs-dead").await, "1");
+    assert_eq!(browser.text("#jobs-due").await, "0");
+
+    browser.quit().await;
+    eprintln!("admin in headless Chromium: {:?}", started.elapsed());
+}
