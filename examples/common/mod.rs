@@ -37,8 +37,18 @@ pub async fn database_url() -> String {
     eprintln!("no DATABASE_URL and no server on 127.0.0.1:5432: starting a throwaway cluster");
     // DATABASE_URL is unset here, so this starts idem-testing's per-process
     // cluster (initdb + pg_ctl, blocking), which is stopped and deleted at exit.
-    tokio::task::spawn_blocking(idem_testing::server_url)
-        .await
-        .expect("the cluster start did not panic")
-        .unwrap_or_else(|e| panic!("could not start a throwaway PostgreSQL cluster: {e}"))
+    let started = tokio::task::spawn_blocking(idem_testing::server_url).await;
+    match started {
+        Ok(Ok(url)) => url,
+        // One line and exit 1, not a panic's backtrace: what to install or
+        // set is the whole message.
+        Ok(Err(e)) => {
+            eprintln!("could not start a throwaway PostgreSQL cluster: {e}");
+            std::process::exit(1);
+        }
+        Err(e) => {
+            eprintln!("could not start a throwaway PostgreSQL cluster: {e}");
+            std::process::exit(1);
+        }
+    }
 }

@@ -15,8 +15,8 @@ pub enum HarnessError {
     /// Neither `DATABASE_URL` nor usable server binaries were available.
     #[error(
         "no PostgreSQL server binaries (initdb, pg_ctl, postgres) found; searched: {searched}. \
-         Install the PostgreSQL server, set IDEM_PG_BIN to its bin directory, \
-         or set DATABASE_URL to a running server"
+         Install the PostgreSQL server (`apt-get install postgresql`), set IDEM_PG_BIN to its \
+         bin directory, or set DATABASE_URL to a running server"
     )]
     NoServerBinaries {
         /// The places that were looked at, in order.
