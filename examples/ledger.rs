@@ -6,6 +6,7 @@
 //! cargo run --example ledger                    # serve on 127.0.0.1:3000
 //! cargo run --example ledger -- --port 8080     # another port
 //! cargo run --example ledger -- --keep          # keep the ledger of the last run
+//! cargo run --example ledger -- --admin-actions # let the admin page requeue and discard
 //! cargo run --example ledger -- --reconcile     # recompute balances, report drift
 //! cargo run --example ledger -- --reap          # purge expired keys, report held ones
 //! ```
@@ -18,7 +19,9 @@
 //! Retention and lease: see `examples/ledger/app/admin.rs`.
 //!
 //! The endpoints are listed in `examples/ledger/app/api.rs`, the input
-//! limits in `examples/ledger/app/limits.rs`.
+//! limits in `examples/ledger/app/limits.rs`. idem's admin page is mounted
+//! at `/admin` (its URL is printed at start-up): loopback peers only, and
+//! read-only unless `--admin-actions` is given.
 //!
 //! The log (`tracing` events, the ledger's and idem's) goes to stderr at
 //! `info` and above; `RUST_LOG` overrides, e.g. `RUST_LOG=idem=debug,info`.
@@ -29,6 +32,7 @@ mod app;
 #[path = "common/mod.rs"]
 mod common;
 
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -37,13 +41,14 @@ use idem::pool::{build_pool_with, PoolConfig};
 use tracing_subscriber::EnvFilter;
 
 const USAGE: &str =
-    "usage: ledger [--port N] [--keep] [--reap-every SECONDS] | --reconcile | --reap";
+    "usage: ledger [--port N] [--keep] [--reap-every SECONDS] [--admin-actions] | --reconcile | --reap";
 
 enum Command {
     Serve {
         port: u16,
         keep: bool,
         reap_every: Duration,
+        admin_actions: bool,
     },
     Reconcile,
     Reap,
@@ -52,6 +57,7 @@ enum Command {
 fn command() -> Result<Command, String> {
     let mut args = std::env::args().skip(1);
     let (mut port, mut keep, mut reap_every, mut job) = (3000, false, 60, None);
+    let mut admin_actions = false;
     while let Some(arg) = args.next() {
         let (name, inline) = match arg.split_once('=') {
             Some((name, value)) => (name.to_owned(), Some(value.to_owned())),
@@ -77,6 +83,7 @@ fn command() -> Result<Command, String> {
                     .ok_or_else(|| format!("--reap-every needs a positive number; {USAGE}"))?
             }
             "--keep" => keep = true,
+            "--admin-actions" => admin_actions = true,
             "--reconcile" => job = Some(Command::Reconcile),
             "--reap" => job = Some(Command::Reap),
             "-h" | "--help" => return Err(USAGE.to_owned()),
@@ -87,6 +94,7 @@ fn command() -> Result<Command, String> {
         port,
         keep,
         reap_every: Duration::from_secs(reap_every),
+        admin_actions,
     }))
 }
 
@@ -167,7 +175,10 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Serve {
-            port, reap_every, ..
+            port,
+            reap_every,
+            admin_actions,
+            ..
         } => {
             drop(conn);
             let pool = build_pool_with(
@@ -179,17 +190,30 @@ async fn run(command: Command) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 },
             )?;
             let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+            let addr = listener.local_addr()?;
             println!(
-                "ledger listening on http://{} (reaper every {}s; Ctrl-C to stop)",
-                listener.local_addr()?,
+                "ledger listening on http://{addr} (reaper every {}s; Ctrl-C to stop)",
                 reap_every.as_secs()
             );
+            println!(
+                "admin page on http://{addr}/admin ({})",
+                if admin_actions {
+                    "requeue and discard enabled"
+                } else {
+                    "read-only; --admin-actions to requeue and discard"
+                }
+            );
             tokio::spawn(reaper(url, reap_every));
-            axum::serve(listener, app::api::router(pool))
-                .with_graceful_shutdown(async {
-                    let _ = tokio::signal::ctrl_c().await;
-                })
-                .await?;
+            // The peer address: the admin page answers loopback peers only.
+            let app = app::api::router_with_admin(pool, admin_actions);
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
             Ok(ExitCode::SUCCESS)
         }
     }

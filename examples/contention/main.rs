@@ -2,7 +2,7 @@
 //! transfers, optimistic (versioned writes + retry), pessimistic (`SELECT ..
 //! FOR UPDATE`) and adaptive (`#[retryable(on_conflict = lock)]`).
 //!
-//! `cargo run --release --example contention [-- --repeats N --svg PATH]`
+//! `cargo run --release --example contention [-- --repeats N] [--svg PATH | --update-docs]`
 //!
 //! Each transfer moves money between two accounts that cache their balance and
 //! appends the ledger entry pair that is the truth behind the cache (seed 002's
@@ -38,7 +38,11 @@
 //! `scenario=hot strategy=adaptive writers=50 wall_ms=.. attempts=.. wasted=.. ok=50`
 //! `hot_adaptive_vs_pessimistic=..` (target ≤ 1.1), `hot_adaptive_wasted=..`
 //! (target ≤ 50), `low_adaptive_vs_optimistic=..` (target ≤ 1.05). Each run is
-//! also reported on stderr. The chart goes to `docs/contention.svg`.
+//! also reported on stderr. The chart goes to `target/contention.svg` (the
+//! target directory this example was built in; the path is printed on
+//! stderr), to `PATH` with `--svg PATH`, or to the tracked
+//! `docs/contention.svg` with `--update-docs`, so that an ordinary run
+//! leaves the checkout clean.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -50,6 +54,7 @@ mod transfer;
 
 use std::error::Error;
 use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -70,36 +75,58 @@ const ACCOUNTS: i64 = 100;
 const OPENING_BALANCE: i64 = 1_000;
 const AMOUNT: i64 = 10;
 
+const USAGE: &str = "usage: contention [--repeats N] [--svg PATH | --update-docs]";
+
 struct Args {
     repeats: usize,
-    svg: String,
+    svg: PathBuf,
+}
+
+/// Where the chart goes by default: the target directory this example was
+/// built in (`<target>/<profile>/examples/contention`), else `target/` of
+/// the checkout; never a tracked file.
+fn default_svg() -> PathBuf {
+    let target = std::env::current_exe()
+        .ok()
+        .filter(|exe| {
+            exe.parent()
+                .and_then(|dir| dir.file_name())
+                .is_some_and(|name| name == "examples")
+        })
+        .and_then(|exe| exe.ancestors().nth(3).map(PathBuf::from))
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+    target.join("contention.svg")
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        repeats: 21,
-        svg: concat!(env!("CARGO_MANIFEST_DIR"), "/docs/contention.svg").to_owned(),
-    };
+    let (mut repeats, mut svg, mut update_docs) = (21, None, false);
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         let mut value = || it.next().ok_or(format!("{arg} needs a value"));
         match arg.as_str() {
             "--repeats" => {
-                args.repeats = value()?
+                repeats = value()?
                     .parse()
                     .ok()
                     .filter(|n| *n > 0)
                     .ok_or("--repeats takes a whole number above 0")?;
             }
-            "--svg" => args.svg = value()?,
-            other => {
-                return Err(format!(
-                    "unknown argument {other}; usage: contention [--repeats N] [--svg PATH]"
-                ))
-            }
+            "--svg" => svg = Some(PathBuf::from(value()?)),
+            "--update-docs" => update_docs = true,
+            other => return Err(format!("unknown argument {other}; {USAGE}")),
         }
     }
-    Ok(args)
+    let svg = match (svg, update_docs) {
+        (Some(_), true) => {
+            return Err(format!(
+                "--svg and --update-docs exclude each other; {USAGE}"
+            ))
+        }
+        (Some(path), false) => path,
+        (None, true) => Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/contention.svg"),
+        (None, false) => default_svg(),
+    };
+    Ok(Args { repeats, svg })
 }
 
 #[tokio::main]
@@ -201,12 +228,12 @@ async fn main() -> Result<(), Box<dyn Error>> {
         verdict(low_ratio <= 1.05)
     );
 
-    if let Some(dir) = std::path::Path::new(&args.svg).parent() {
+    if let Some(dir) = args.svg.parent() {
         if !dir.as_os_str().is_empty() {
             std::fs::create_dir_all(dir)?;
         }
     }
     std::fs::write(&args.svg, chart(&summary, args.repeats))?;
-    eprintln!("chart written to {}", args.svg);
+    eprintln!("chart written to {}", args.svg.display());
     Ok(())
 }

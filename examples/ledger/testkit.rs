@@ -85,9 +85,15 @@ impl Ledger {
             .expect("bind");
         let addr = listener.local_addr().expect("local address");
         let server = tokio::spawn(async move {
-            axum::serve(listener, app::api::router(pool))
-                .await
-                .expect("serve");
+            // As the example serves it: the admin page read-only, and the
+            // peer address it needs.
+            let app = app::api::router_with_admin(pool, false);
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .await
+            .expect("serve");
         });
         Ledger {
             client: Client { addr },

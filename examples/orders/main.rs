@@ -3,8 +3,11 @@
 //! through a delay queue, and a Redis front cache of replays.
 //!
 //! `cargo run --release --features nats,redis --example orders [-- --orders N
-//! --repeats R --ladder-scale F]` (defaults 200 orders, 3 deliveries per
-//! callback and path, ladder × 0.01: 50 ms, 300 ms, 1.2 s). PostgreSQL:
+//! --repeats R --ladder-scale F --admin-actions]` (defaults 200 orders, 3
+//! deliveries per callback and path, ladder × 0.01: 50 ms, 300 ms, 1.2 s).
+//! While it runs, idem's admin page is mounted at `/admin` of its HTTP
+//! server (the URL is printed first): loopback peers only, read-only unless
+//! `--admin-actions`. PostgreSQL:
 //! `DATABASE_URL`, else 127.0.0.1:5432, else a throwaway cluster; the example
 //! works in a fresh database of its own. NATS: `NATS_URL`, else 127.0.0.1:4222
 //! if it has JetStream, else a throwaway `nats-server -js`. Redis: a
@@ -45,10 +48,12 @@ mod http;
 mod nats;
 mod service;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::http::Method;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use idem::admin::{self, AdminConfig};
 use idem::idempotency::{CacheConfig, ReplayCache};
 use idem::jobs::{Ladder, Worker};
 use idem::pool::{build_pool_with, PoolConfig};
@@ -62,6 +67,8 @@ struct Args {
     orders: i64,
     repeats: usize,
     ladder_scale: f64,
+    /// The admin page may requeue and discard (else read-only).
+    admin_actions: bool,
 }
 
 fn parse_args() -> Args {
@@ -69,10 +76,16 @@ fn parse_args() -> Args {
         orders: 200,
         repeats: 3,
         ladder_scale: 0.01,
+        admin_actions: false,
     };
-    let usage = || -> ! { panic!("usage: [--orders N --repeats R --ladder-scale F]") };
+    let usage =
+        || -> ! { panic!("usage: [--orders N --repeats R --ladder-scale F --admin-actions]") };
     let mut it = std::env::args().skip(1);
     while let Some(name) = it.next() {
+        if name == "--admin-actions" {
+            args.admin_actions = true;
+            continue;
+        }
         let value = it.next().unwrap_or_else(|| usage());
         match name.as_str() {
             "--orders" => args.orders = value.parse().unwrap_or_else(|_| usage()),
@@ -150,12 +163,32 @@ async fn run(args: Args) -> bool {
     let client = Client {
         addr: listener.local_addr().expect("address"),
     };
+    println!(
+        "admin page on http://{}/admin while the run lasts ({})",
+        client.addr,
+        if args.admin_actions {
+            "requeue and discard enabled"
+        } else {
+            "read-only; --admin-actions to requeue and discard"
+        }
+    );
     let app = http::router(http::AppState {
         pool: pool.clone(),
         cache: Some(cache.clone()),
         first_step,
+    })
+    .nest(
+        "/admin",
+        admin::router(pool.clone(), AdminConfig::new().actions(args.admin_actions)),
+    );
+    // The peer address: the admin page answers loopback peers only.
+    let server = tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
     });
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
 
     let orders: Vec<i64> = (1..=args.orders).collect();
     for_each(&orders, |id| async move {

@@ -250,3 +250,46 @@ async fn an_internal_error_is_a_500_problem_logged_with_its_cause() {
         "the log names the cause: {log}"
     );
 }
+
+/// idem's admin page at `/admin`, as the example mounts it by default:
+/// HTML (outside the problem guard), counting what the ledger wrote, and
+/// read-only: a POST is refused with 403 and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_page_is_mounted_read_only() {
+    let mut ledger = Ledger::start().await;
+    let account = ledger.client.open_account(EUR).await;
+    let reply = ledger.client.top_up("admin-1", account, 500, EUR).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+
+    let page = ledger
+        .client
+        .send(Method::GET, "/admin", &[], Vec::new())
+        .await
+        .expect("an answer");
+    let html = String::from_utf8_lossy(&page.body);
+    assert_eq!(page.status, 200, "{html}");
+    assert!(
+        page.header("content-type")
+            .is_some_and(|t| t.starts_with("text/html")),
+        "{page:?}"
+    );
+    assert!(html.contains("<h1>Overview</h1>"), "{html}");
+    assert!(html.contains("read-only"), "{html}");
+    assert!(html.contains("id=\"records-completed\">1</td>"), "{html}");
+
+    let before = ledger.counts().await;
+    let refused = ledger
+        .client
+        .send(
+            Method::POST,
+            "/admin/jobs/action",
+            &[("content-type", b"application/x-www-form-urlencoded")],
+            "op=requeue-all&kind=",
+        )
+        .await
+        .expect("an answer");
+    let html = String::from_utf8_lossy(&refused.body);
+    assert_eq!(refused.status, 403, "{html}");
+    assert!(html.contains("read-only"), "{html}");
+    assert_eq!(ledger.counts().await, before);
+}

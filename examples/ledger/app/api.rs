@@ -8,6 +8,10 @@
 //! | `POST /accounts/{id}/top-ups` `{"amount","currency"}` | `Idempotency-Key` required | 201 movement |
 //! | `POST /transfers` `{"from_account","to_account","amount","currency"}` | `Idempotency-Key` required | 201 movement |
 //!
+//! `/admin` is idem's admin page (`idem::admin`, see [`router_with_admin`]):
+//! HTML, loopback peers only, read-only unless the server was started with
+//! `--admin-actions`.
+//!
 //! Every request acts in the tenant of its `X-Tenant-Id` header (default 1).
 //! Errors are `application/problem+json`, unknown paths and wrong methods
 //! included (see `guard`); a replay answers the first status and body with
@@ -20,6 +24,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use idem::admin::{self, AdminConfig};
 use idem::http::{problem_type, IdempotencyKey, IdempotentResponse, IfMatch, Problem, WithETag};
 use idem::Pool;
 use serde::de::DeserializeOwned;
@@ -45,6 +50,18 @@ pub fn router(pool: Pool) -> Router {
             .route("/accounts/{id}/top-ups", post(top_up))
             .route("/transfers", post(transfer))
             .with_state(AppState { pool }),
+    )
+}
+
+/// [`router`] with idem's admin page nested at `/admin`, read-only unless
+/// `admin_actions` (requeue and discard of dead jobs and events, behind a
+/// CSRF token). It is nested after `guard`, so its pages and refusals stay
+/// its own HTML rather than problems; it answers loopback peers only, and
+/// only when served with `into_make_service_with_connect_info::<SocketAddr>()`.
+pub fn router_with_admin(pool: Pool, admin_actions: bool) -> Router {
+    router(pool.clone()).nest(
+        "/admin",
+        admin::router(pool, AdminConfig::new().actions(admin_actions)),
     )
 }
 
