@@ -55,6 +55,7 @@ mod scratch;
 pub mod stats;
 mod url;
 mod via;
+mod waiting;
 mod wire;
 
 pub use cluster::{start_throwaway_cluster, Cluster};

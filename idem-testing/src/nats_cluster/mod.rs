@@ -33,7 +33,7 @@ mod node;
 use std::fmt::Write as _;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream;
 
@@ -42,9 +42,6 @@ use node::{find_binary, launch, Node};
 
 /// The bound of every wait that the caller does not bound.
 const WAIT: Duration = Duration::from_secs(30);
-
-/// How often a wait looks again.
-const POLL: Duration = Duration::from_millis(100);
 
 /// How long a server gets to exit on SIGTERM when the cluster is dropped.
 const DROP_GRACE: Duration = Duration::from_secs(5);
@@ -399,10 +396,7 @@ impl Drop for NatsCluster {
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, NatsClusterError> + Send + 'static,
 ) -> Result<T, NatsClusterError> {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(result) => result,
-        Err(join_error) => std::panic::resume_unwind(join_error.into_panic()),
-    }
+    crate::waiting::blocking(f).await
 }
 
 /// Calls `probe` until it returns `Ok(Some(_))` or `timeout` runs out; an
@@ -410,29 +404,17 @@ async fn blocking<T: Send + 'static>(
 async fn poll<T, F, Fut>(
     awaited: String,
     timeout: Duration,
-    mut probe: F,
+    probe: F,
 ) -> Result<T, NatsClusterError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<Option<T>, String>>,
 {
-    let deadline = Instant::now() + timeout;
-    let mut last = String::from("nothing yet");
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, probe()).await {
-            Ok(Ok(Some(value))) => return Ok(value),
-            Ok(Ok(None)) => {}
-            Ok(Err(seen)) => last = seen,
-            Err(_) => last = "the last probe did not finish in time".into(),
-        }
-        if Instant::now() >= deadline {
-            return Err(NatsClusterError::Wait {
-                awaited,
-                after: timeout,
-                last,
-            });
-        }
-        tokio::time::sleep(POLL).await;
-    }
+    crate::waiting::poll(timeout, probe)
+        .await
+        .map_err(|last| NatsClusterError::Wait {
+            awaited,
+            after: timeout,
+            last,
+        })
 }

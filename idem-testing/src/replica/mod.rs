@@ -38,7 +38,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use error::ReplicaError;
 use node::{find_bin_dir, make_node_dir, Node};
@@ -49,9 +49,6 @@ use crate::{connect, HarnessError};
 
 /// The bound of every wait that the caller does not bound.
 pub(crate) const WAIT: Duration = Duration::from_secs(30);
-
-/// How often a wait looks again.
-const POLL: Duration = Duration::from_millis(100);
 
 /// How often to retry when another process takes a chosen port first.
 const PORT_ATTEMPTS: usize = 5;
@@ -487,42 +484,23 @@ fn shared_settings(replication: Replication) -> String {
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ReplicaError> + Send + 'static,
 ) -> Result<T, ReplicaError> {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(result) => result,
-        Err(join_error) => std::panic::resume_unwind(join_error.into_panic()),
-    }
+    crate::waiting::blocking(f).await
 }
 
 /// Calls `probe` until it returns `Ok(Some(_))` or `timeout` runs out; an
 /// `Err` or `Ok(None)` is a "not yet", and the last `Err` is reported.
-async fn poll<T, F, Fut>(
-    awaited: String,
-    timeout: Duration,
-    mut probe: F,
-) -> Result<T, ReplicaError>
+async fn poll<T, F, Fut>(awaited: String, timeout: Duration, probe: F) -> Result<T, ReplicaError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Option<T>, String>>,
 {
-    let deadline = Instant::now() + timeout;
-    let mut last = String::from("nothing yet");
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, probe()).await {
-            Ok(Ok(Some(value))) => return Ok(value),
-            Ok(Ok(None)) => {}
-            Ok(Err(seen)) => last = seen,
-            Err(_) => last = "the last probe did not finish in time".into(),
-        }
-        if Instant::now() >= deadline {
-            return Err(ReplicaError::Wait {
-                awaited,
-                after: timeout,
-                last,
-            });
-        }
-        tokio::time::sleep(POLL).await;
-    }
+    crate::waiting::poll(timeout, probe)
+        .await
+        .map_err(|last| ReplicaError::Wait {
+            awaited,
+            after: timeout,
+            last,
+        })
 }
 
 /// The one text value `sql` returns on `url`, or why not.
