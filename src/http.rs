@@ -40,6 +40,9 @@
 //! | `If-Match` can never match ([`EtagError`] 412), [`VersionedError::Stale`] | 412 | [`problem_type::PRECONDITION_FAILED`] |
 //! | [`VersionedError::NotFound`] | 404 | [`problem_type::NOT_FOUND`] |
 //! | [`VersionedError::StateMismatch`], [`VersionedError::IllegalTransition`] | 409 | [`problem_type::STATE_CONFLICT`] |
+//! | [`CreateOnceError::Mismatch`] (a key reused for another request) | 422 | [`problem_type::FINGERPRINT_MISMATCH`] |
+//! | [`CreateOnceError::Conflict`] (another row holds a unique value) | 409 | [`problem_type::UNIQUE_CONFLICT`] |
+//! | [`CreateOnceError::MissingKey`] | 400 | [`problem_type::IDEMPOTENCY_KEY_MISSING`] |
 //! | anything else (database, serialization) | 500, details logged, not sent | [`problem_type::INTERNAL`] |
 //!
 //! # Keeping the first status
@@ -96,7 +99,7 @@ pub use response::{IdempotentResponse, StoredResponse};
 pub use status::HttpStatus;
 
 #[cfg(doc)]
-use crate::{Error, IdempotentError, VersionedError};
+use crate::{CreateOnceError, Error, IdempotentError, VersionedError};
 #[cfg(doc)]
 use etag::EtagError;
 

@@ -11,10 +11,12 @@ pub use idem_macros::{idempotent, retryable, States, Versioned, VersionedChanges
 // `migrate` names both the function and its module (`idem::migrate::migrations()`).
 pub use idem_runtime::{final_errors, migrate, Error, FromIdemError, Unstorable};
 pub use idem_runtime::{
+    CreateOnceError, Creation, NoState, Versioned, VersionedChanges, VersionedError,
+};
+pub use idem_runtime::{
     Deferred, IdempotencyConfig, Idempotent, IdempotentError, Isolation, Mode, NoFinalErrors,
     OnConflict, Pool, RetryCause, RetryPolicy, Transient,
 };
-pub use idem_runtime::{NoState, Versioned, VersionedChanges, VersionedError};
 
 /// Deprecated: retry and idempotency failures are one type, [`Error`].
 #[deprecated(since = "0.2.0", note = "use `idem::Error`")]
@@ -62,10 +64,10 @@ pub mod idempotency {
 /// guard.
 pub mod versioned {
     pub use idem_runtime::versioned::{
-        backstop, ChangesGiven, Delete, ExpectedVersion, Find, HasTenantColumn, NoChanges,
-        NoExpectedVersion, Pending, StateMachine, Tenant, TenantGiven, TenantMissing, Transition,
-        TransitionChanges, Transitioned, Untenanted, Update, VersionGiven, VersionValue,
-        WithChanges,
+        backstop, check_create_once, ChangesGiven, CreateOnceModel, Delete, ExpectedVersion, Find,
+        HasTenantColumn, NoChanges, NoExpectedVersion, Pending, StateMachine, Tenant, TenantGiven,
+        TenantMissing, Transition, TransitionChanges, Transitioned, Untenanted, Update,
+        VersionGiven, VersionValue, WithChanges,
     };
 }
 

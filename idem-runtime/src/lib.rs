@@ -27,15 +27,17 @@ pub use pool::Pool;
 pub use retry::RetryError;
 pub use retry::{Deferred, Isolation, OnConflict, RetryCause, RetryPolicy, Transient};
 pub use versioned::backstop::install_version_guard;
-pub use versioned::{NoState, Versioned, VersionedChanges, VersionedError};
+pub use versioned::{
+    CreateOnceError, Creation, NoState, Versioned, VersionedChanges, VersionedError,
+};
 
 /// What generated code reaches; not a public API.
 #[doc(hidden)]
 pub mod __private {
     pub use crate::versioned::{
         state_from_sql, state_to_sql, table_sql, Assignable, BypassesVersionCheck, CasUpdate,
-        JsonbArray, RecordedTransition, StateMachine, TenantMissing, TransitionRecord, Untenanted,
-        VersionValue,
+        CreateOnceModel, JsonbArray, OnceKeyNull, OnceKeyProbe, OnceKeyValue, RecordedTransition,
+        StateMachine, TenantMissing, TransitionRecord, Untenanted, VersionValue,
     };
 
     /// Asks the compiler whether `C` may be assigned by a changeset of `M`.

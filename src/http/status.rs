@@ -1,7 +1,7 @@
 //! The one table that decides the HTTP status of each of idem's outcomes.
 //! [`Problem`](super::Problem) takes its statuses from here.
 
-use crate::{Error, VersionedError};
+use crate::{CreateOnceError, Error, VersionedError};
 
 use super::etag::EtagError;
 
@@ -45,6 +45,27 @@ impl HttpStatus for VersionedError {
             VersionedError::Stale { .. } => 412,
             VersionedError::NotFound => 404,
             VersionedError::StateMismatch { .. } | VersionedError::IllegalTransition { .. } => 409,
+            _ => 500,
+        }
+    }
+}
+
+impl HttpStatus for CreateOnceError {
+    /// 422 for a key reused for another request (as for
+    /// [`Error::FingerprintMismatch`]), 409 when another row holds one of
+    /// the new row's unique values, 400 for a missing key, 500 otherwise (a
+    /// missing unique index is the service's fault, not the client's).
+    ///
+    /// ```
+    /// use idem::http::HttpStatus;
+    /// assert_eq!(idem::CreateOnceError::Mismatch { fields: vec!["amount"] }.http_status(), 422);
+    /// assert_eq!(idem::CreateOnceError::Conflict.http_status(), 409);
+    /// ```
+    fn http_status(&self) -> u16 {
+        match self {
+            CreateOnceError::Mismatch { .. } => 422,
+            CreateOnceError::Conflict => 409,
+            CreateOnceError::MissingKey => 400,
             _ => 500,
         }
     }

@@ -14,6 +14,7 @@ use idem::{Versioned, VersionedChanges, VersionedError};
 use serde_json::json;
 use tokio::sync::Barrier;
 
+mod create_once;
 mod duplicates;
 mod identity;
 mod prepared;

@@ -34,7 +34,7 @@ fn respan(tokens: TokenStream, span: Span) -> TokenStream {
 
 /// `a.eq(x).and(b.eq(y))...` over `(column, value)` pairs, in order. A model
 /// always has a key, so there is at least one pair.
-fn conjunction(predicates: &[(TokenStream, TokenStream)]) -> TokenStream {
+pub(crate) fn conjunction(predicates: &[(TokenStream, TokenStream)]) -> TokenStream {
     let mut iter = predicates.iter().map(|(col, val)| quote!(#col.eq(#val)));
     match iter.next() {
         Some(first) => iter.fold(first, |acc, next| quote!(#acc.and(#next))),
@@ -198,15 +198,7 @@ pub(crate) fn model(model: &Model) -> TokenStream {
         ),
     };
 
-    let insert_values = model.fields.iter().map(|f| {
-        let col = column(table, f);
-        if std::ptr::eq(f, version) {
-            quote!(#col.eq(<#version_ty as ::idem::__private::VersionValue>::ZERO))
-        } else {
-            let name = &f.ident;
-            quote!(#col.eq(&self.#name))
-        }
-    });
+    let insert_values = insert_values(model);
     let version_ident = &version.ident;
 
     // Every column a changeset may assign: all but version, tenant and key.
@@ -225,6 +217,7 @@ pub(crate) fn model(model: &Model) -> TokenStream {
             let col = column(table, f);
             quote!(impl ::idem::__private::Assignable<#ident> for #col {})
         });
+    let once = super::once::expand(model);
     quote! {
         const _: () = {
             use ::idem::__private::diesel::{BoolExpressionMethods as _, ExpressionMethods as _, OptionalExtension as _, QueryDsl as _, SelectableHelper as _};
@@ -374,8 +367,30 @@ pub(crate) fn model(model: &Model) -> TokenStream {
             }
 
             #(#assignable)*
+
+            #once
         };
     }
+}
+
+/// `column.eq(&self.field)` for every field, the version at zero: the values
+/// of a new row.
+pub(crate) fn insert_values(model: &Model) -> Vec<TokenStream> {
+    let version = model.field(model.version);
+    let version_ty = &version.ty;
+    model
+        .fields
+        .iter()
+        .map(|f| {
+            let col = column(&model.table, f);
+            if std::ptr::eq(f, version) {
+                quote!(#col.eq(<#version_ty as ::idem::__private::VersionValue>::ZERO))
+            } else {
+                let name = &f.ident;
+                quote!(#col.eq(&self.#name))
+            }
+        })
+        .collect()
 }
 
 pub(crate) fn changes(changes: &ChangeSet) -> TokenStream {

@@ -98,6 +98,7 @@ pub(crate) fn model(input: &ModelInput, roles: &Roles, err: syn::Error) -> Token
         )),
         future(quote!(usize)),
     );
+    let once = once(input, generic);
     let made = future(quote!(
         ::core::option::Option<(Self, ::core::primitive::bool)>
     ));
@@ -157,8 +158,47 @@ pub(crate) fn model(input: &ModelInput, roles: &Roles, err: syn::Error) -> Token
             }
 
             #(#assignable)*
+
+            #once
         };
         #(#errors)*
+    }
+}
+
+/// A `create_once(..)` that was declared is implemented too, so a call of
+/// `create_once` adds no error of its own.
+fn once(input: &ModelInput, generic: bool) -> TokenStream {
+    if input.create_once.is_none() || generic {
+        return TokenStream::new();
+    }
+    let ident = &input.ident;
+    let private = quote!(::idem::__private);
+    let conn = quote!(&'c mut #private::diesel_async::AsyncPgConnection);
+    let derr = quote!(#private::diesel::result::Error);
+    let future = |output: TokenStream| quote!(impl ::core::future::Future<Output = ::core::result::Result<#output, #derr>> + ::core::marker::Send + 'c);
+    let inserted = future(quote!(::core::option::Option<Self>));
+    let read = future(quote!(
+        ::core::option::Option<(Self, ::std::vec::Vec<::core::primitive::bool>)>
+    ));
+    quote! {
+        #[allow(unused_qualifications)]
+        #[automatically_derived]
+        impl #private::CreateOnceModel for #ident {
+            const ONCE_COLUMNS: &'static [&'static str] = &[];
+            const ONCE_FIELDS: &'static [&'static str] = &[];
+            fn __once_checked() -> &'static ::std::sync::atomic::AtomicBool {
+                ::core::unreachable!()
+            }
+            fn __once_key_missing(&self) -> bool {
+                ::core::unreachable!()
+            }
+            fn __once_insert<'c>(&'c self, _: #conn) -> #inserted {
+                async move { ::core::unreachable!() }
+            }
+            fn __once_read<'c>(&'c self, _: #conn) -> #read {
+                async move { ::core::unreachable!() }
+            }
+        }
     }
 }
 

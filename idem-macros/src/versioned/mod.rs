@@ -2,10 +2,12 @@
 //!
 //! `parse` reads the struct and its attributes, `validate` checks every name
 //! and role against the fields, `expand` writes the impls of a valid input,
-//! and `fallback` the impls that keep one mistake to one error.
+//! `once` the create-once statements of a model that declares them, and
+//! `fallback` the impls that keep one mistake to one error.
 
 mod expand;
 mod fallback;
+mod once;
 mod parse;
 mod validate;
 

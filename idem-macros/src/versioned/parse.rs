@@ -11,7 +11,7 @@ use syn::{Data, DeriveInput, Fields, Ident, Path, Token, Type};
 
 use crate::errors::Errors;
 
-const MODEL_KEYS: &str = "`tenant`, `version`, `key` and `state`";
+const MODEL_KEYS: &str = "`tenant`, `version`, `key`, `state` and `create_once`";
 const CHANGES_KEYS: &str = "`model` and `table`";
 
 /// One field of the struct and the column it maps to.
@@ -48,6 +48,62 @@ impl<T> Arg<T> {
     }
 }
 
+/// `create_once(key = .., fingerprint(..))`, as written.
+pub(crate) struct OnceArgs {
+    /// The key field(s), keyed by `key`.
+    pub(crate) key: Option<Arg<Vec<Ident>>>,
+    /// The fields a repeat must match, keyed by `fingerprint`.
+    pub(crate) fingerprint: Option<Arg<Vec<Ident>>>,
+}
+
+impl OnceArgs {
+    fn parse(meta: &syn::meta::ParseNestedMeta, errors: &mut Errors) -> syn::Result<OnceArgs> {
+        let mut args = OnceArgs {
+            key: None,
+            fingerprint: None,
+        };
+        if !meta.input.peek(syn::token::Paren) {
+            return Err(meta.error(
+                "write `create_once(key = <field>, fingerprint(<fields a repeat must match>))`",
+            ));
+        }
+        meta.parse_nested_meta(|inner| {
+            let Some(name) = inner.path.get_ident().cloned() else {
+                return Err(inner.error(ONCE_KEYS_HELP));
+            };
+            match name.to_string().as_str() {
+                "key" => {
+                    let KeyFields(fields) = inner.value()?.parse()?;
+                    Arg::set(&mut args.key, name, fields, errors);
+                }
+                "fingerprint" => {
+                    let content;
+                    syn::parenthesized!(content in inner.input);
+                    let idents = Punctuated::<Ident, Token![,]>::parse_terminated(&content)?;
+                    Arg::set(
+                        &mut args.fingerprint,
+                        name,
+                        idents.into_iter().collect(),
+                        errors,
+                    );
+                }
+                _ => {
+                    errors.push_at(
+                        &name,
+                        format!("unknown key `{name}` in create_once(..); {ONCE_KEYS_HELP}"),
+                    );
+                    skip_meta_value(&inner)?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(args)
+    }
+}
+
+const ONCE_KEYS_HELP: &str =
+    "create_once takes `key = <field>` (or `key = (a, b)`) and `fingerprint(<fields a repeat must match>)`";
+
 /// A struct deriving `Versioned`, as written.
 pub(crate) struct ModelInput {
     pub(crate) ident: Ident,
@@ -66,6 +122,8 @@ pub(crate) struct ModelInput {
     pub(crate) version: Option<Arg<Ident>>,
     pub(crate) key: Option<Arg<Vec<Ident>>>,
     pub(crate) state: Option<Arg<Ident>>,
+    /// `create_once(..)`, keyed by `create_once`.
+    pub(crate) create_once: Option<Arg<OnceArgs>>,
 }
 
 /// A struct deriving `VersionedChanges`, as written.
@@ -250,6 +308,7 @@ impl ModelInput {
         let mut version: Option<Arg<Ident>> = None;
         let mut key: Option<Arg<Vec<Ident>>> = None;
         let mut state: Option<Arg<Ident>> = None;
+        let mut create_once: Option<Arg<OnceArgs>> = None;
         let mut first_attr: Option<&syn::Attribute> = None;
         for attr in input
             .attrs
@@ -273,6 +332,10 @@ impl ModelInput {
                         Arg::set(&mut key, name, fields, errors);
                     }
                     "state" => Arg::set(&mut state, name, meta.value()?.parse()?, errors),
+                    "create_once" => {
+                        let args = OnceArgs::parse(&meta, errors)?;
+                        Arg::set(&mut create_once, name, args, errors);
+                    }
                     _ => {
                         errors.push_at(&name, format!("unknown key `{name}` in #[versioned(..)]; the valid keys are {MODEL_KEYS}"));
                         skip_meta_value(&meta)?;
@@ -299,6 +362,7 @@ impl ModelInput {
             version,
             key,
             state,
+            create_once,
         }
     }
 }

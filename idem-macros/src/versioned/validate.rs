@@ -5,7 +5,7 @@
 
 use syn::{Ident, Path};
 
-use super::parse::{ChangesInput, Field, ModelInput, TenantArg};
+use super::parse::{ChangesInput, Field, ModelInput, OnceArgs, TenantArg};
 use crate::errors::Errors;
 
 /// A struct deriving `Versioned`, every role resolved to a field.
@@ -19,6 +19,16 @@ pub(crate) struct Model {
     /// Indexes into `fields`, in key order; never empty.
     pub(crate) key: Vec<usize>,
     pub(crate) state: Option<usize>,
+    /// `create_once(..)`, when declared.
+    pub(crate) once: Option<Once>,
+}
+
+/// `create_once(..)`, resolved.
+pub(crate) struct Once {
+    /// Indexes into `fields`, in key order; never empty.
+    pub(crate) key: Vec<usize>,
+    /// Indexes into `fields`, in declaration order.
+    pub(crate) fingerprint: Vec<usize>,
 }
 
 impl Model {
@@ -54,6 +64,8 @@ pub(crate) struct Roles {
     pub(crate) key: Option<Vec<usize>>,
     /// `Some(None)`: the model declares no state.
     pub(crate) state: Option<Option<usize>>,
+    /// `Some(None)`: the model declares no `create_once`.
+    pub(crate) once: Option<Option<Once>>,
 }
 
 impl Roles {
@@ -71,6 +83,7 @@ impl Roles {
             version: self.version?,
             key,
             state: self.state?,
+            once: self.once?,
         })
     }
 }
@@ -147,6 +160,11 @@ pub(crate) fn model(input: &ModelInput, errors: &mut Errors) -> Roles {
         } else {
             None
         },
+        once: if input.create_once.is_none() {
+            Some(None)
+        } else {
+            None
+        },
     };
     let Some(fields) = &input.fields else {
         // Not a struct with named fields: that one error says it all.
@@ -194,7 +212,92 @@ pub(crate) fn model(input: &ModelInput, errors: &mut Errors) -> Roles {
         roles.state = find_field(fields, &s.value, ident, errors).map(Some);
     }
     check_roles(input, fields, &roles, errors);
+    if let Some(once) = &input.create_once {
+        roles.once = create_once(input, fields, &roles, &once.key, &once.value, errors).map(Some);
+    }
     roles
+}
+
+/// Resolves `create_once(key = .., fingerprint(..))`: the key names fields
+/// other than the version and the tenant (which the key includes by itself),
+/// and the fingerprint names fields fixed at creation that the key does not
+/// already compare.
+fn create_once(
+    input: &ModelInput,
+    fields: &[Field],
+    roles: &Roles,
+    at: &Ident,
+    args: &OnceArgs,
+    errors: &mut Errors,
+) -> Option<Once> {
+    let ident = &input.ident;
+    let Some(key) = &args.key else {
+        errors.push_at(at, "create_once needs the key: `create_once(key = <field>, fingerprint(..))`, the column(s) under which a repeated create is refused");
+        return None;
+    };
+    let Some(fingerprint) = &args.fingerprint else {
+        errors.push_at(at, "create_once needs `fingerprint(<fields>)`: the fields a repeat must match, so that a key reused for another request is refused instead of answered with the first row (write `fingerprint()` if the key alone names the request)");
+        return None;
+    };
+    let key_fields = find_key(fields, &key.value, ident, errors);
+    let tenant = match roles.tenant {
+        Some(Tenant::Field(i)) => Some(i),
+        _ => None,
+    };
+    let mut complete = key_fields.is_some();
+    for (name, &i) in key.value.iter().zip(key_fields.iter().flatten()) {
+        let role = if Some(i) == roles.version {
+            Some("the version: it is 0 for every new row")
+        } else if Some(i) == tenant {
+            Some("the tenant, which the key includes already: name only the key column(s)")
+        } else {
+            None
+        };
+        if let Some(role) = role {
+            errors.push_at(
+                name,
+                format!("`{name}` cannot be a create_once key field: it is {role}"),
+            );
+            complete = false;
+        }
+    }
+    let mut compared = Vec::new();
+    for (n, name) in fingerprint.value.iter().enumerate() {
+        if fingerprint.value[..n].contains(name) {
+            errors.push_at(
+                name,
+                format!("`{name}` is named twice in the fingerprint; name each field once"),
+            );
+            complete = false;
+            continue;
+        }
+        let Some(i) = find_field(fields, name, ident, errors) else {
+            complete = false;
+            continue;
+        };
+        let role = if Some(i) == roles.version {
+            Some("the version, which a new row always has at 0 and every update changes")
+        } else if Some(i) == tenant {
+            Some("the tenant, which the key compares already")
+        } else if key_fields.iter().flatten().any(|&k| k == i) {
+            Some("a key field, which the key compares already")
+        } else if roles.state.flatten() == Some(i) {
+            Some("the state, which transitions change: a repeat after the first transition would be refused")
+        } else {
+            None
+        };
+        match role {
+            Some(role) => {
+                errors.push_at(name, format!("`{name}` cannot be in the fingerprint: it is {role}; name the fields the request fixes at creation"));
+                complete = false;
+            }
+            None => compared.push(i),
+        }
+    }
+    complete.then(|| Once {
+        key: key_fields.unwrap_or_default(),
+        fingerprint: compared,
+    })
 }
 
 /// One column cannot play two roles: the version would then be part of the

@@ -9,12 +9,17 @@
 pub mod backstop;
 mod builder;
 mod cas;
+mod once;
 mod record;
 mod states;
 mod transition;
 
 pub use builder::*;
 pub use cas::CasUpdate;
+pub use once::{
+    check_create_once, CreateOnceError, CreateOnceModel, Creation, OnceKeyNull, OnceKeyProbe,
+    OnceKeyValue,
+};
 pub use record::{JsonbArray, RecordedTransition, TransitionRecord};
 pub use states::{state_from_sql, state_to_sql, StateMachine, Transitioned};
 pub use transition::{Transition, TransitionChanges};
@@ -198,6 +203,28 @@ pub trait Versioned: Sized + Send + Sync + 'static {
         conn: &'c mut AsyncPgConnection,
     ) -> impl Future<Output = Result<Self, VersionedError>> + Send + 'c {
         async move { Ok(self.__insert(conn).await?) }
+    }
+
+    /// Insert this row once per idempotency key (seed 003's first layer):
+    /// [`Creation::Created`] when this call inserted it,
+    /// [`Creation::Existing`] when a row with the same tenant and key and the
+    /// same `fingerprint(..)` fields was already there (a concurrent creator
+    /// is waited for), and [`CreateOnceError::Mismatch`] when the key is
+    /// taken by a row with other fields. One statement when the key is new;
+    /// see [`CreateOnceModel`] for the declaration and
+    /// [`check_create_once`] for the unique index it needs.
+    ///
+    /// Inside a `#[retryable]` body at REPEATABLE READ or SERIALIZABLE, a
+    /// concurrent create the snapshot cannot see is a serialization failure
+    /// that the loop replays.
+    fn create_once<'c>(
+        &'c self,
+        conn: &'c mut AsyncPgConnection,
+    ) -> impl Future<Output = Result<Creation<Self>, CreateOnceError>> + Send + 'c
+    where
+        Self: CreateOnceModel,
+    {
+        once::create_once(self, conn)
     }
 
     #[doc(hidden)]
