@@ -220,13 +220,40 @@ pub struct DoctorArgs {
     /// is checked against max_connections.
     #[arg(long = "pool-size")]
     pub pool_sizes: Vec<u32>,
+    /// The NATS server the relay publishes to (defaults to $NATS_URL): its
+    /// stream's duplicate window is checked against the relay's horizon.
+    /// Without it that check is not run.
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    pub nats_url: Option<String>,
+    /// The relay's stream, as given to NatsPublisher::new.
+    #[arg(long, conflicts_with = "subject")]
+    pub stream: Option<String>,
+    /// Or a subject the relay publishes on (its prefix included): the
+    /// stream that captures it is checked.
+    #[arg(long)]
+    pub subject: Option<String>,
+    /// The relay's lease, when not the default 15s (Relay::lease).
+    #[arg(long, value_parser = duration)]
+    pub relay_lease: Option<Duration>,
+    /// The relay's attempts per event, when not the default 8
+    /// (Relay::max_attempts).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub relay_max_attempts: Option<u32>,
+    /// The relay's first backoff, when not the default 200ms
+    /// (Relay::backoff's base).
+    #[arg(long, value_parser = duration)]
+    pub relay_backoff_base: Option<Duration>,
+    /// The relay's longest backoff, when not the default 10s
+    /// (Relay::backoff's max).
+    #[arg(long, value_parser = duration)]
+    pub relay_backoff_max: Option<Duration>,
 }
 
 fn json(s: &str) -> Result<serde_json::Value, String> {
     serde_json::from_str(s).map_err(|e| format!("not JSON: {e}"))
 }
 
-/// `45s`, `30m`, `12h`, `7d`, or bare seconds.
+/// `200ms`, `45s`, `30m`, `12h`, `7d`, or bare seconds.
 fn duration(s: &str) -> Result<Duration, String> {
     let (n, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
         Some(i) => s.split_at(i),
@@ -235,16 +262,17 @@ fn duration(s: &str) -> Result<Duration, String> {
     let n: u64 = n
         .parse()
         .map_err(|_| format!("{s:?} is not a duration like 45s, 30m, 12h, 7d"))?;
-    let unit_secs: u64 = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
+    let unit_ms: u64 = match unit {
+        "ms" => 1,
+        "s" => 1000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(format!("{s:?}: the unit is ms, s, m, h or d")),
     };
     // Checked: a wrapped product would purge far newer rows than asked.
-    n.checked_mul(unit_secs)
-        .filter(|secs| *secs <= i64::MAX as u64 / 1000)
-        .map(Duration::from_secs)
+    n.checked_mul(unit_ms)
+        .filter(|ms| ms / 1000 <= i64::MAX as u64 / 1000)
+        .map(Duration::from_millis)
         .ok_or_else(|| format!("{s:?} is longer than any retention idem can use"))
 }

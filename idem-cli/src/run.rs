@@ -4,12 +4,15 @@ use std::error::Error as StdError;
 use std::str::FromStr;
 
 use idem_runtime::idempotency::Settlement;
-use idem_runtime::operate::{self, CheckState, DoctorOptions, Page};
+use idem_runtime::operate::{self, CheckState, DoctorOptions, Page, StreamCheck, StreamChoice};
+use idem_runtime::outbox::RelayTiming;
 use idem_runtime::pool::{build_pool_with, Pool, PoolConfig};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::args::{Cli, Command, InboxCmd, JobsCmd, KeyCmd, MigrateAction, OutboxCmd, PageArgs};
+use crate::args::{
+    Cli, Command, DoctorArgs, InboxCmd, JobsCmd, KeyCmd, MigrateAction, OutboxCmd, PageArgs,
+};
 use crate::output::{dur, fields, opt_dur, short, table};
 
 type Result<T> = std::result::Result<T, Box<dyn StdError>>;
@@ -260,7 +263,10 @@ pub async fn run(cli: &Cli) -> Result<u8> {
                 pool_sizes: d.pool_sizes.clone(),
                 url_port,
             };
-            let checks = operate::doctor(&pool, &options).await?;
+            let mut checks = operate::doctor(&pool, &options).await?;
+            if let Some(stream) = stream_check(d) {
+                checks.push(operate::check_stream(&stream).await);
+            }
             let failed = checks.iter().any(|c| c.state == CheckState::Fail);
             emit(cli, &json!({"ok": !failed, "checks": checks}), || {
                 let mut s = String::new();
@@ -280,6 +286,25 @@ pub async fn run(cli: &Cli) -> Result<u8> {
             Ok(if failed { 1 } else { 0 })
         }
     }
+}
+
+/// The NATS stream's check, when a NATS URL is given: the stream named
+/// (or capturing the subject given) against the horizon of a relay with
+/// the default timing, or with the `--relay-*` values given.
+fn stream_check(d: &DoctorArgs) -> Option<StreamCheck> {
+    let url = d.nats_url.as_deref().filter(|u| !u.trim().is_empty())?;
+    let mut timing = RelayTiming::default();
+    timing.lease = d.relay_lease.unwrap_or(timing.lease);
+    timing.max_attempts = d.relay_max_attempts.unwrap_or(timing.max_attempts);
+    timing.backoff_base = d.relay_backoff_base.unwrap_or(timing.backoff_base);
+    timing.backoff_max = d.relay_backoff_max.unwrap_or(timing.backoff_max);
+    let mut check = StreamCheck::new(url).horizon(timing.horizon());
+    if let Some(name) = &d.stream {
+        check = check.stream(StreamChoice::Named(name.clone()));
+    } else if let Some(subject) = &d.subject {
+        check = check.stream(StreamChoice::Capturing(subject.clone()));
+    }
+    Some(check)
 }
 
 async fn outbox(cli: &Cli, cmd: &OutboxCmd) -> Result<u8> {

@@ -11,25 +11,8 @@ use idem::{idempotent, retryable, Pool};
 use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
 
-/// Runs the binary with `--database-url url` and no `DATABASE_URL`.
-fn idem(url: &str, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .env_remove("DATABASE_URL")
-        .arg("--database-url")
-        .arg(url)
-        .args(args)
-        .output()
-        .expect("the binary runs");
-    (
-        out.status.code().expect("exited, not killed"),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn json(stdout: &str) -> serde_json::Value {
-    serde_json::from_str(stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
-}
+mod common;
+use common::{idem, json};
 
 #[derive(Debug, thiserror::Error)]
 enum AppError {

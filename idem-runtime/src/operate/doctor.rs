@@ -156,7 +156,7 @@ pub struct Check {
 }
 
 impl Check {
-    fn new(name: &str, state: CheckState, detail: String, fix: Option<&str>) -> Check {
+    pub(super) fn new(name: &str, state: CheckState, detail: String, fix: Option<&str>) -> Check {
         Check {
             name: name.to_owned(),
             state,
@@ -225,7 +225,8 @@ struct Backlog {
 /// guards on tables with a `version` column, `max_connections` against the
 /// pool sizes given, a pooler in between, synchronous replication, and
 /// what waits for an operator. Each check says ok, warn or fail, with the
-/// fix in one line.
+/// fix in one line. The NATS stream's check is `check_stream` (feature
+/// `nats`), apart since it needs no database: `idem doctor` appends it.
 ///
 /// # Errors
 ///

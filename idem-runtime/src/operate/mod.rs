@@ -1,9 +1,11 @@
 //! The operator's API: one set of calls that answer the same questions for
 //! idempotency records, outbox events, compensation jobs and inbox records,
 //! and check that a database is fit for idem. The `idem` command line
-//! (`idem-cli`) is built on it, and so will be an admin page.
+//! (`idem-cli`) is built on it, and so is the admin page (`idem::admin`,
+//! the facade's feature `admin`).
 //!
-//! Every call takes an idem [`Pool`](crate::Pool) and returns typed values
+//! Every call but `check_stream` (which asks NATS, not the database) takes
+//! an idem [`Pool`](crate::Pool) and returns typed values
 //! (which also serialize to JSON, durations as seconds) or an
 //! [`OperateError`]. They reuse the functions the library already offers
 //! ([`outbox::requeue`](crate::outbox::requeue),
@@ -18,12 +20,15 @@
 //! | jobs (`idem_jobs`) | [`job_stats`], [`dead_jobs`], [`requeue_job`], [`requeue_dead_jobs`], [`discard_job`] |
 //! | inbox (`idem_inbox`) | [`inbox_stats`], [`inbox_dead`], [`inbox_purge`] |
 //! | schema and server | [`migration_status`], [`migrate`], [`doctor`] |
+//! | the NATS stream (feature `nats`) | `check_stream`: its duplicate window against the relay's horizon |
 
 mod doctor;
 mod inbox;
 mod jobs;
 mod outbox;
 mod records;
+#[cfg(feature = "nats")]
+mod stream;
 
 use std::time::Duration;
 
@@ -43,6 +48,8 @@ pub use outbox::{
 pub use records::{
     purge_expired, record_stats, settle, show_key, KeyRecord, PurgeView, RecordStats,
 };
+#[cfg(feature = "nats")]
+pub use stream::{check_stream, StreamCheck, StreamChoice};
 
 /// Why an operator call failed.
 #[derive(Debug, thiserror::Error)]

@@ -43,9 +43,11 @@ use diesel_async::AsyncPgConnection;
 pub use emit::{emit, EmitError};
 pub use event::{Event, EventId, InvalidEvent};
 #[cfg(feature = "nats")]
+pub(crate) use nats::duplicate_window;
+#[cfg(feature = "nats")]
 pub use nats::NatsPublisher;
 pub use publisher::{Horizon, OutboxMessage, PrepareError, PublishError, Published, Publisher};
-pub use relay::{Relay, RelayError, Round};
+pub use relay::{Relay, RelayError, RelayTiming, Round};
 
 /// Put a dead event back in line: pending again, with its attempts reset.
 /// Returns whether an event was dead and is pending now.

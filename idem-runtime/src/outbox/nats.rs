@@ -2,7 +2,9 @@
 
 use async_nats::connection::State;
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
-use async_nats::jetstream::context::{PublishError as JsPublishError, PublishErrorKind};
+use async_nats::jetstream::context::{
+    GetStreamError, PublishError as JsPublishError, PublishErrorKind,
+};
 use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream::Context;
 use async_nats::Client;
@@ -180,27 +182,22 @@ impl Publisher for NatsPublisher {
     }
 
     async fn prepare(&self, horizon: Horizon) -> Result<(), PrepareError> {
-        let mut stream = self
-            .context
-            .get_stream(&self.stream)
+        let window = duplicate_window(&self.context, &self.stream)
             .await
             .map_err(|e| PrepareError::Broker(PublishError::from_source(e)))?;
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| PrepareError::Broker(PublishError::from_source(e)))?;
-        let window = info.config.duplicate_window;
-        if window < horizon.total() {
-            return Err(PrepareError::DedupWindowTooShort {
-                stream: self.stream.clone(),
-                window,
-                horizon: horizon.total(),
-                lease: horizon.lease,
-                retry: horizon.retry,
-            });
-        }
-        Ok(())
+        horizon.check_window(&self.stream, window)
     }
+}
+
+/// The `duplicate_window` of the stream named `stream`, as the server
+/// answers its info now: what [`NatsPublisher`]'s start-up check and
+/// `idem doctor`'s stream check compare with the relay's [`Horizon`].
+pub(crate) async fn duplicate_window(
+    context: &Context,
+    stream: &str,
+) -> Result<std::time::Duration, GetStreamError> {
+    let stream = context.get_stream(stream).await?;
+    Ok(stream.cached_info().config.duplicate_window)
 }
 
 impl NatsPublisher {

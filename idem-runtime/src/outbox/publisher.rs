@@ -153,6 +153,39 @@ impl Horizon {
     pub fn total(&self) -> Duration {
         self.lease + self.retry
     }
+
+    /// Refuse a broker that remembers message ids for `window` only, when
+    /// that is shorter than this horizon: an event published again within
+    /// the horizon would be stored twice. `stream` names the broker's
+    /// stream in the error. The NATS publisher's [`prepare`](Publisher::prepare)
+    /// and `idem doctor`'s stream check both ask this.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_runtime::outbox::{Horizon, PrepareError};
+    ///
+    /// let horizon = Horizon { lease: Duration::from_secs(15), retry: Duration::from_secs(20) };
+    /// assert!(horizon.check_window("ORDERS", Duration::from_secs(120)).is_ok());
+    /// let short = horizon.check_window("ORDERS", Duration::from_secs(10));
+    /// assert!(matches!(short, Err(PrepareError::DedupWindowTooShort { .. })));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`PrepareError::DedupWindowTooShort`] when `window` is shorter than
+    /// [`total`](Self::total).
+    pub fn check_window(&self, stream: &str, window: Duration) -> Result<(), PrepareError> {
+        if window < self.total() {
+            return Err(PrepareError::DedupWindowTooShort {
+                stream: stream.to_owned(),
+                window,
+                horizon: self.total(),
+                lease: self.lease,
+                retry: self.retry,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// A broker the relay publishes to.

@@ -49,6 +49,66 @@ pub struct Round {
     pub unavailable: usize,
 }
 
+/// The wait after the `failures`-th failed publish of an event: `base`
+/// doubled after each failure but the first, at most `max`.
+fn backoff_after(base: Duration, max: Duration, failures: u32) -> Duration {
+    let factor = 2u32.saturating_pow(failures.saturating_sub(1));
+    base.saturating_mul(factor).min(max)
+}
+
+/// The settings of a [`Relay`] that decide its [`Horizon`], with
+/// [`Relay::new`]'s defaults: for a broker's window checked without a
+/// relay at hand (`idem doctor`'s stream check).
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_runtime::outbox::RelayTiming;
+///
+/// let mut timing = RelayTiming::default();
+/// assert_eq!(timing.horizon().total(), Duration::from_millis(37_600));
+/// timing.lease = Duration::from_secs(30); // a relay built with .lease(30 s)
+/// assert_eq!(timing.horizon().total(), Duration::from_millis(52_600));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayTiming {
+    /// [`Relay::lease`]; default 15 s.
+    pub lease: Duration,
+    /// [`Relay::max_attempts`]; default 8.
+    pub max_attempts: u32,
+    /// [`Relay::backoff`]'s `base`; default 200 ms.
+    pub backoff_base: Duration,
+    /// [`Relay::backoff`]'s `max`; default 10 s.
+    pub backoff_max: Duration,
+}
+
+impl Default for RelayTiming {
+    fn default() -> Self {
+        RelayTiming {
+            lease: Duration::from_secs(15),
+            max_attempts: 8,
+            backoff_base: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(10),
+        }
+    }
+}
+
+impl RelayTiming {
+    /// The relay's horizon, as [`Relay::horizon`] computes it: the lease
+    /// plus the backoff after each failed attempt but the last (the values
+    /// taken as the relay's setters take them).
+    pub fn horizon(&self) -> Horizon {
+        let max = self.backoff_max.max(self.backoff_base);
+        let retry = (1..self.max_attempts.max(1))
+            .map(|n| backoff_after(self.backoff_base, max, n))
+            .sum();
+        Horizon {
+            lease: self.lease,
+            retry,
+        }
+    }
+}
+
 /// Publishes the outbox to a broker: at least once, in commit order per key.
 ///
 /// Build it with [`Relay::new`], set what differs from the defaults, then
@@ -96,15 +156,16 @@ impl<P: Publisher> Relay<P> {
     /// duplicate window), sent rows kept 1 h and cleaned every 60 s, 1000 at
     /// a time.
     pub fn new(pool: Pool, publisher: P) -> Self {
+        let timing = RelayTiming::default();
         Relay {
             pool,
             publisher: Arc::new(publisher),
             batch_size: 100,
             poll_interval: Duration::from_secs(1),
-            lease: Duration::from_secs(15),
-            max_attempts: 8,
-            backoff_base: Duration::from_millis(200),
-            backoff_max: Duration::from_secs(10),
+            lease: timing.lease,
+            max_attempts: timing.max_attempts,
+            backoff_base: timing.backoff_base,
+            backoff_max: timing.backoff_max,
             retention: Duration::from_secs(60 * 60),
             cleanup_interval: Duration::from_secs(60),
             cleanup_batch: 1000,
@@ -176,19 +237,18 @@ impl<P: Publisher> Relay<P> {
     /// longer than this horizon by the longest outage to ride out keeps
     /// such an event from being stored twice.
     pub fn horizon(&self) -> Horizon {
-        let retry = (1..self.max_attempts).map(|n| self.backoff_after(n)).sum();
-        Horizon {
+        RelayTiming {
             lease: self.lease,
-            retry,
+            max_attempts: self.max_attempts,
+            backoff_base: self.backoff_base,
+            backoff_max: self.backoff_max,
         }
+        .horizon()
     }
 
     /// The wait after the `failures`-th failed publish of an event.
     fn backoff_after(&self, failures: u32) -> Duration {
-        let factor = 2u32.saturating_pow(failures.saturating_sub(1));
-        self.backoff_base
-            .saturating_mul(factor)
-            .min(self.backoff_max)
+        backoff_after(self.backoff_base, self.backoff_max, failures)
     }
 
     /// Run until `shutdown` completes: check the publisher, then claim,
