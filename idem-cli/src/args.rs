@@ -141,11 +141,14 @@ pub enum OutboxCmd {
 pub enum JobsCmd {
     /// Due, running and dead counts, and the longest overdue wait.
     Stats,
-    /// Dead jobs, oldest failure first.
+    /// Dead jobs, oldest failure first; payloads hidden (their size shown).
     Dead {
         /// Only this kind.
         #[arg(long)]
         kind: Option<String>,
+        /// Also print each job's payload (it may hold personal data).
+        #[arg(long)]
+        show_payload: bool,
         #[command(flatten)]
         page: PageArgs,
     },

@@ -400,9 +400,23 @@ async fn jobs(cli: &Cli, cmd: &JobsCmd) -> Result<u8> {
             })?;
             Ok(0)
         }
-        JobsCmd::Dead { kind, page: p } => {
+        JobsCmd::Dead {
+            kind,
+            show_payload,
+            page: p,
+        } => {
             let dead = operate::dead_jobs(&pool, kind.as_deref(), page(p)).await?;
-            emit(cli, &dead, || {
+            // A payload may hold personal data: its size only, unless asked.
+            let mut value = serde_json::to_value(&dead)?;
+            if !*show_payload {
+                for (row, j) in value.as_array_mut().into_iter().flatten().zip(&dead) {
+                    if let Some(map) = row.as_object_mut() {
+                        map.remove("payload");
+                        map.insert("payload_bytes".into(), j.payload_bytes().into());
+                    }
+                }
+            }
+            emit(cli, &value, || {
                 let rows: Vec<Vec<String>> = dead
                     .iter()
                     .map(|j| {
@@ -413,11 +427,24 @@ async fn jobs(cli: &Cli, cmd: &JobsCmd) -> Result<u8> {
                             j.attempts.to_string(),
                             dur(j.dead_for),
                             short(&j.last_error, 60),
+                            if *show_payload {
+                                j.payload.to_string()
+                            } else {
+                                format!("hidden, {} B", j.payload_bytes())
+                            },
                         ]
                     })
                     .collect();
                 table(
-                    &["id", "kind", "key", "attempts", "dead for", "last error"],
+                    &[
+                        "id",
+                        "kind",
+                        "key",
+                        "attempts",
+                        "dead for",
+                        "last error",
+                        "payload",
+                    ],
                     &rows,
                 )
             })?;

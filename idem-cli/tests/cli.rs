@@ -241,6 +241,26 @@ async fn records_events_and_jobs_made_by_the_library() {
         out.contains("refund") && out.contains("the bank said no"),
         "{out}"
     );
+    // Payloads are hidden unless asked for, in text and in JSON.
+    let payload = serde_json::json!({"order": "order-12"});
+    assert!(
+        out.contains(&format!("hidden, {} B", payload.to_string().len())),
+        "{out}"
+    );
+    assert!(!out.contains("{\"order\""), "the payload is hidden: {out}");
+    let (code, out, _) = idem(url, &["--json", "jobs", "dead"]);
+    assert_eq!(code, 0);
+    let rows = json(&out);
+    assert_eq!(rows.as_array().map(Vec::len), Some(1), "{out}");
+    assert!(rows[0].get("payload").is_none(), "{out}");
+    assert_eq!(rows[0]["payload_bytes"], payload.to_string().len(), "{out}");
+    assert!(!out.contains("order-12\"}"), "{out}");
+    let (code, out, _) = idem(url, &["--json", "jobs", "dead", "--show-payload"]);
+    assert_eq!(code, 0);
+    assert_eq!(json(&out)[0]["payload"], payload, "{out}");
+    let (code, out, _) = idem(url, &["jobs", "dead", "--show-payload"]);
+    assert_eq!(code, 0);
+    assert!(out.contains(&payload.to_string()), "{out}");
     let (code, out, _) = idem(
         url,
         &["--json", "jobs", "requeue", "--all", "--limit", "10"],

@@ -249,7 +249,7 @@ pub(crate) fn dead_jobs(
         } else {
             format!(
                 "<span class=\"note\">hidden ({} bytes)</span>",
-                j.payload.to_string().len()
+                j.payload_bytes()
             )
         };
         let (check, buttons) = if csrf.is_some() {

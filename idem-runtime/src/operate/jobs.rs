@@ -63,6 +63,14 @@ pub struct DeadJobRow {
     pub dead_for: Duration,
 }
 
+impl DeadJobRow {
+    /// The payload's size as compact JSON, shown where the payload itself
+    /// is hidden (it may hold personal data).
+    pub fn payload_bytes(&self) -> usize {
+        self.payload.to_string().len()
+    }
+}
+
 /// Dead jobs of `kind` (or of every kind), oldest failure first, one page
 /// ([`jobs::dead`]).
 ///
