@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use diesel::sql_types::{BigInt, Text};
+use diesel::sql_types::{BigInt, Double, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -141,6 +141,93 @@ fn count_of(counts: &[(String, i64)], state: &str) -> i64 {
         .map_or(0, |(_, n)| *n)
 }
 
+#[derive(diesel::QueryableByName)]
+struct GaugeTruth {
+    #[diesel(sql_type = Double)]
+    idem_outbox_pending: f64,
+    #[diesel(sql_type = Double)]
+    idem_outbox_dead: f64,
+    #[diesel(sql_type = Double)]
+    idem_outbox_oldest_pending_seconds: f64,
+    #[diesel(sql_type = Double)]
+    idem_jobs_due: f64,
+    #[diesel(sql_type = Double)]
+    idem_jobs_running: f64,
+    #[diesel(sql_type = Double)]
+    idem_jobs_dead: f64,
+    #[diesel(sql_type = Double)]
+    idem_jobs_oldest_due_seconds: f64,
+}
+
+/// The gauges' values as the database holds them now, by SQL of the
+/// test's own (absent ages are 0, as the gauges set them).
+async fn gauge_truth(pool: &Pool) -> Vec<(&'static str, f64)> {
+    let mut conn = pool.get().await.expect("conn");
+    let t: GaugeTruth = diesel::sql_query(
+        "SELECT (SELECT count(*) FROM idem_outbox WHERE state = 'pending')::float8 AS idem_outbox_pending,
+                (SELECT count(*) FROM idem_outbox WHERE state = 'dead')::float8 AS idem_outbox_dead,
+                coalesce(extract(epoch FROM now() - (SELECT min(created_at) FROM idem_outbox
+                                                      WHERE state = 'pending')), 0)::float8
+                    AS idem_outbox_oldest_pending_seconds,
+                (SELECT count(*) FROM idem_jobs WHERE state = 'due')::float8 AS idem_jobs_due,
+                (SELECT count(*) FROM idem_jobs WHERE state = 'running')::float8 AS idem_jobs_running,
+                (SELECT count(*) FROM idem_jobs WHERE state = 'dead')::float8 AS idem_jobs_dead,
+                coalesce(extract(epoch FROM now() - (SELECT min(run_at) FROM idem_jobs
+                                                      WHERE state = 'due' AND run_at <= now())), 0)::float8
+                    AS idem_jobs_oldest_due_seconds",
+    )
+    .get_result(&mut conn)
+    .await
+    .expect("the gauges' truth");
+    vec![
+        ("idem_outbox_pending", t.idem_outbox_pending),
+        ("idem_outbox_dead", t.idem_outbox_dead),
+        (
+            "idem_outbox_oldest_pending_seconds",
+            t.idem_outbox_oldest_pending_seconds,
+        ),
+        ("idem_jobs_due", t.idem_jobs_due),
+        ("idem_jobs_running", t.idem_jobs_running),
+        ("idem_jobs_dead", t.idem_jobs_dead),
+        (
+            "idem_jobs_oldest_due_seconds",
+            t.idem_jobs_oldest_due_seconds,
+        ),
+    ]
+}
+
+/// The overview's gauge table names every gauge idem exports, each with
+/// the value the database holds: counts equal, ages between the database's
+/// just before and just after the page was rendered. Returns the values.
+async fn assert_gauges(browser: &Session<'_>, pool: &Pool, overview: &str) -> Vec<f64> {
+    let before = gauge_truth(pool).await;
+    browser.go(overview).await;
+    let after = gauge_truth(pool).await;
+    assert_eq!(
+        browser.count("#gauges tr").await,
+        1 + before.len(),
+        "one row a gauge"
+    );
+    let mut shown = Vec::new();
+    for ((name, low), (_, high)) in before.iter().zip(&after) {
+        let text = browser.text(&format!("#gauge-{name}")).await;
+        let value: f64 = text
+            .parse()
+            .unwrap_or_else(|e| panic!("{name}: {text:?}: {e}"));
+        if name.ends_with("_seconds") {
+            // Shown to the millisecond.
+            assert!(
+                *low - 0.0005 <= value && value <= *high + 0.0005,
+                "{name}: {value} not within [{low}, {high}]"
+            );
+        } else {
+            assert_eq!((value, *low), (*high, *high), "{name}");
+        }
+        shown.push(value);
+    }
+    shown
+}
+
 #[path = "admin_browser/client.rs"]
 mod client;
 use client::*;
@@ -184,7 +271,8 @@ async fn the_admin_page_in_headless_chromium() {
     // The bank refuses: the worker parks both jobs (no ladder steps).
     let round = worker(&pool).run_once().await.expect("a round");
     assert_eq!(round.dead, 2, "{round:?}");
-    // One event is parked as the relay would after its attempts.
+    // One event is parked as the relay would after its attempts; the other
+    // has waited 90 s (the oldest-pending gauge).
     diesel::sql_query(
         "UPDATE idem_outbox SET state = 'dead', attempts = 5, last_error = 'the broker refused'
          WHERE key = 'order-12'",
@@ -192,6 +280,12 @@ async fn the_admin_page_in_headless_chromium() {
     .execute(&mut conn)
     .await
     .expect("event parked");
+    diesel::sql_query(
+        "UPDATE idem_outbox SET created_at = now() - interval '90 seconds' WHERE key = 'order-13'",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("event aged");
     drop(conn);
 
     let app = Router::new()
@@ -229,6 +323,15 @@ async fn the_admin_page_in_headless_chromium() {
         assert_eq!(browser.text(css).await, want.to_string(), "{css}");
     }
     assert_eq!((count_of(&jobs, "dead"), count_of(&outbox, "dead")), (2, 1));
+    // The gauges, as the database holds them: one pending event 90 s old,
+    // one dead; two dead jobs, none due.
+    let shown = assert_gauges(&browser, &pool, &format!("{base}/admin")).await;
+    assert_eq!(
+        (shown[0], shown[1], shown[3], shown[5], shown[6]),
+        (1.0, 1.0, 0.0, 2.0, 0.0),
+        "{shown:?}"
+    );
+    assert!((90.0..120.0).contains(&shown[2]), "{shown:?}");
     let png = browser.screenshot().await;
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "a PNG");
     let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("admin-overview.png");
@@ -331,6 +434,10 @@ async fn the_admin_page_in_headless_chromium() {
         (1, 1),
         "{jobs:?}"
     );
+    // The requeued job is due (overdue since the click): the jobs' gauges
+    // say so.
+    let shown = assert_gauges(&browser, &pool, &format!("{base}/admin")).await;
+    assert_eq!((shown[3], shown[5]), (1.0, 1.0), "{shown:?}");
     BANK_SAYS_NO.store(false, Ordering::SeqCst);
     let round = worker(&pool).run_once().await.expect("a round");
     assert_eq!(round.done, 1, "{round:?}");

@@ -19,7 +19,7 @@
 //!
 //! | path | shows |
 //! |---|---|
-//! | `/` | counts and oldest ages: outbox, jobs, idempotency records by state, inbox per consumer |
+//! | `/` | counts and oldest ages: outbox, jobs, idempotency records by state, inbox per consumer; the `metrics` gauges idem exports, each with its value |
 //! | `/jobs?kind=..&offset=..` | dead jobs, one page; requeue or discard one, the selected, or all matching (at most a page) |
 //! | `/events?key=..&offset=..` | dead outbox events, the same |
 //! | `/inbox?consumer=..&offset=..` | consumers, and one consumer's dead letters (no requeue: that runs the consumer's effect) |

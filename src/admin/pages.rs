@@ -157,7 +157,39 @@ pub(crate) fn overview(
         }
     }
     s.push_str("</div></div>");
+    s.push_str(&gauges(outbox, jobs));
     s
+}
+
+/// The `metrics` gauges idem sets, with the values the relay and the
+/// worker set them to from these same counts ([`OutboxStatsView::gauges`],
+/// [`JobStatsView::gauges`]): a fixed list, one row each.
+fn gauges(outbox: &OutboxStatsView, jobs: &JobStatsView) -> String {
+    let mut s = String::from(
+        "<h2>Gauges</h2><p class=\"note\">The <code>metrics</code> gauges idem exports (feature \
+<code>metrics</code>: the relay sets the outbox's at each cleanup, the worker the jobs' every \
+<code>gauge_interval</code>), computed now from the counts above: a dashboard shows these values \
+after its next refresh.</p><table id=\"gauges\"><tr><th>gauge</th><th>value</th></tr>",
+    );
+    for (name, value) in outbox.gauges().into_iter().chain(jobs.gauges()) {
+        let _ = write!(
+            s,
+            "<tr><td><code>{name}</code></td><td class=\"n\" id=\"gauge-{name}\">{}</td></tr>",
+            gauge_value(value)
+        );
+    }
+    s.push_str("</table>");
+    s
+}
+
+/// A gauge's value as a dashboard shows it: whole numbers bare, seconds
+/// to the millisecond.
+fn gauge_value(v: f64) -> String {
+    if v.fract() == 0.0 {
+        format!("{v}")
+    } else {
+        format!("{v:.3}")
+    }
 }
 
 /// The paging links under a list.
@@ -481,5 +513,12 @@ mod tests {
             "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
         );
         assert_eq!(query_value("a b&c"), "a%20b%26c");
+    }
+
+    #[test]
+    fn gauge_values_as_a_dashboard_shows_them() {
+        assert_eq!(gauge_value(3.0), "3");
+        assert_eq!(gauge_value(0.0), "0");
+        assert_eq!(gauge_value(12.345_678), "12.346");
     }
 }

@@ -124,7 +124,7 @@ impl Driver {
             "goog:chromeOptions": {
                 "binary": CHROMIUM,
                 "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                         "--disable-dev-shm-usage", "--window-size=1100,560"]
+                         "--disable-dev-shm-usage", "--window-size=1100,860"]
             }
         }}});
         let v = self.call(Method::POST, "/session", Some(caps)).await;

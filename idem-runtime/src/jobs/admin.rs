@@ -108,17 +108,39 @@ pub struct JobStats {
 }
 
 impl JobStats {
+    /// The gauges `record_gauges` (feature `metrics`) sets, by name, with
+    /// the values it sets them to: `idem_jobs_due`, `idem_jobs_running`,
+    /// `idem_jobs_dead` and `idem_jobs_oldest_due_seconds` (0 when no job
+    /// is overdue). Needs no feature: the admin page shows them.
+    ///
+    /// ```
+    /// # fn f(stats: idem_runtime::jobs::JobStats) {
+    /// for (name, value) in stats.gauges() {
+    ///     println!("{name} {value}");
+    /// }
+    /// # }
+    /// ```
+    pub fn gauges(&self) -> [(&'static str, f64); 4] {
+        [
+            ("idem_jobs_due", self.due as f64),
+            ("idem_jobs_running", self.running as f64),
+            ("idem_jobs_dead", self.dead as f64),
+            (
+                "idem_jobs_oldest_due_seconds",
+                self.oldest_due.map_or(0.0, |age| age.as_secs_f64()),
+            ),
+        ]
+    }
+
     /// Set the gauges `idem_jobs_due`, `idem_jobs_running`, `idem_jobs_dead`
-    /// and `idem_jobs_oldest_due_seconds` (feature `metrics`).
-    /// [`Worker::run`](super::Worker::run) does this every
-    /// [`gauge_interval`](super::Worker::gauge_interval).
+    /// and `idem_jobs_oldest_due_seconds` (feature `metrics`) to
+    /// [`gauges`](Self::gauges). [`Worker::run`](super::Worker::run) does
+    /// this every [`gauge_interval`](super::Worker::gauge_interval).
     #[cfg(feature = "metrics")]
     pub fn record_gauges(&self) {
-        metrics::gauge!("idem_jobs_due").set(self.due as f64);
-        metrics::gauge!("idem_jobs_running").set(self.running as f64);
-        metrics::gauge!("idem_jobs_dead").set(self.dead as f64);
-        metrics::gauge!("idem_jobs_oldest_due_seconds")
-            .set(self.oldest_due.map_or(0.0, |age| age.as_secs_f64()));
+        for (name, value) in self.gauges() {
+            metrics::gauge!(name).set(value);
+        }
     }
 }
 

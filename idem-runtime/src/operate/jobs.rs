@@ -26,6 +26,21 @@ pub struct JobStatsView {
     pub oldest_due: Option<Duration>,
 }
 
+impl JobStatsView {
+    /// The `metrics` gauges a [`Worker`](crate::jobs::Worker) sets from
+    /// these counts, with their values ([`jobs::JobStats::gauges`]): what a
+    /// dashboard of them shows after the worker's next refresh.
+    pub fn gauges(&self) -> [(&'static str, f64); 4] {
+        jobs::JobStats {
+            due: self.due,
+            running: self.running,
+            dead: self.dead,
+            oldest_due: self.oldest_due,
+        }
+        .gauges()
+    }
+}
+
 /// The queue's counts ([`jobs::stats`]).
 ///
 /// # Errors

@@ -24,6 +24,20 @@ pub struct OutboxStatsView {
     pub oldest_pending: Option<Duration>,
 }
 
+impl OutboxStatsView {
+    /// The `metrics` gauges a [`Relay`](crate::outbox::Relay) sets from
+    /// these counts, with their values ([`outbox::OutboxStats::gauges`]):
+    /// what a dashboard of them shows after the relay's next refresh.
+    pub fn gauges(&self) -> [(&'static str, f64); 3] {
+        outbox::OutboxStats {
+            pending: self.pending,
+            dead: self.dead,
+            oldest_pending: self.oldest_pending,
+        }
+        .gauges()
+    }
+}
+
 /// The outbox's backlog ([`outbox::stats`]).
 ///
 /// # Errors

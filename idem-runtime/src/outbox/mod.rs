@@ -130,9 +130,45 @@ pub struct OutboxStats {
     pub oldest_pending: Option<Duration>,
 }
 
+impl OutboxStats {
+    /// The gauges `record_gauges` (feature `metrics`) sets, by name, with
+    /// the values it sets them to: `idem_outbox_pending`,
+    /// `idem_outbox_dead` and `idem_outbox_oldest_pending_seconds` (0 when
+    /// nothing is pending). Needs no feature: the admin page shows them.
+    ///
+    /// ```
+    /// # fn f(stats: idem_runtime::outbox::OutboxStats) {
+    /// for (name, value) in stats.gauges() {
+    ///     println!("{name} {value}");
+    /// }
+    /// # }
+    /// ```
+    pub fn gauges(&self) -> [(&'static str, f64); 3] {
+        [
+            ("idem_outbox_pending", self.pending as f64),
+            ("idem_outbox_dead", self.dead as f64),
+            (
+                "idem_outbox_oldest_pending_seconds",
+                self.oldest_pending.map_or(0.0, |age| age.as_secs_f64()),
+            ),
+        ]
+    }
+
+    /// Set the gauges `idem_outbox_pending`, `idem_outbox_dead` and
+    /// `idem_outbox_oldest_pending_seconds` (feature `metrics`) to
+    /// [`gauges`](Self::gauges). [`Relay`] does this at each cleanup.
+    #[cfg(feature = "metrics")]
+    pub fn record_gauges(&self) {
+        for (name, value) in self.gauges() {
+            metrics::gauge!(name).set(value);
+        }
+    }
+}
+
 /// Read the backlog. With the `metrics` feature, [`Relay`] also sets the
 /// gauges `idem_outbox_pending`, `idem_outbox_dead` and
-/// `idem_outbox_oldest_pending_seconds` from it at each cleanup.
+/// `idem_outbox_oldest_pending_seconds` from it at each cleanup
+/// (`OutboxStats::record_gauges`).
 ///
 /// ```no_run
 /// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), diesel::result::Error> {

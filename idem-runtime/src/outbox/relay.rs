@@ -494,10 +494,7 @@ impl<P: Publisher> Relay<P> {
             return;
         };
         if let Ok(stats) = super::stats(&mut conn).await {
-            metrics::gauge!("idem_outbox_pending").set(stats.pending as f64);
-            metrics::gauge!("idem_outbox_dead").set(stats.dead as f64);
-            metrics::gauge!("idem_outbox_oldest_pending_seconds")
-                .set(stats.oldest_pending.map_or(0.0, |age| age.as_secs_f64()));
+            stats.record_gauges();
         }
     }
 
