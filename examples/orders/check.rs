@@ -49,7 +49,9 @@ pub struct Figures {
     identical: bool,
     // Beyond the line, checked too.
     orders: i64,
+    order_rows: i64,
     self_test_orders: i64,
+    mismatched_rows: i64,
     edits_missing: i64,
     inbox_skips: i64,
 }
@@ -60,6 +62,7 @@ impl Figures {
         orders: i64,
         edited: i64,
         selftest_order: i64,
+        mismatched_amount: i64,
         cache_hits: u64,
         identical: bool,
     ) -> Figures {
@@ -86,13 +89,20 @@ impl Figures {
         let same_request_rows = count(
             conn,
             &format!(
-                "SELECT count(*) AS n FROM idem_requests WHERE key = 'create-{selftest_order}'"
+                "SELECT count(*) AS n FROM ord_orders WHERE request_id = 'create-{selftest_order}'"
             ),
         )
         .await;
         let self_test_orders = count(
             conn,
             &format!("SELECT count(*) AS n FROM ord_orders WHERE id = {selftest_order}"),
+        )
+        .await;
+        let order_rows = count(conn, "SELECT count(*) AS n FROM ord_orders").await;
+        // The request id reused with another amount wrote nothing.
+        let mismatched_rows = count(
+            conn,
+            &format!("SELECT count(*) AS n FROM ord_orders WHERE amount = {mismatched_amount}"),
         )
         .await;
         let compensated = count(
@@ -138,7 +148,9 @@ impl Figures {
             cache_hits,
             identical,
             orders,
+            order_rows,
             self_test_orders,
+            mismatched_rows,
             edits_missing,
             inbox_skips: nats_arrivals - inbox_rows,
         }
@@ -147,8 +159,13 @@ impl Figures {
     /// Prints the details and the last line; true when every figure is right.
     pub fn report(&self) -> bool {
         println!(
-            "orders={} edited_missing={} inbox_skipped_redeliveries={} self_test_orders={}",
-            self.orders, self.edits_missing, self.inbox_skips, self.self_test_orders
+            "orders={} order_rows={} edited_missing={} inbox_skipped_redeliveries={} self_test_orders={} mismatched_rows={}",
+            self.orders,
+            self.order_rows,
+            self.edits_missing,
+            self.inbox_skips,
+            self.self_test_orders,
+            self.mismatched_rows
         );
         println!(
             "callbacks={} duplicates={} paid={} double_paid={} race_winners={} same_request_rows={} compensated={} dead={} cache_hits={} cache_down_identical={}",
@@ -168,6 +185,8 @@ impl Figures {
             && self.race_winners == 1
             && self.same_request_rows == 1
             && self.self_test_orders == 1
+            && self.order_rows == self.orders + 1
+            && self.mismatched_rows == 0
             && self.compensated >= 1
             && self.edits_missing == 0
             && self.inbox_skips >= 1

@@ -2,12 +2,14 @@
 //!
 //! | method and path | headers | answers |
 //! |---|---|---|
-//! | `POST /orders` `{"request_id","id","amount"}` | | 201 order, `ETag` |
+//! | `POST /orders` `{"request_id","id","amount"}` | | 201 order, `ETag`; 200 when the request id already made it (the order as it is now); 422 when it made another (other id or amount) |
 //! | `GET /orders/{id}` | | 200 order, `ETag` |
 //! | `PATCH /orders/{id}` `{"note","on_conflict":"compensate"\|"fail"}` | `If-Match` required | 200 `{"edit":"applied"\|"compensating"\|"lost"}` |
 //! | `POST /callbacks/payment` `{"order","amount"}` | `Idempotency-Key` = the provider's transaction id | 200 `{"order","outcome":"paid"\|"already_paid"}` |
 //!
-//! Errors are problem+json; a replay carries `Idempotent-Replayed: true`.
+//! Errors are problem+json; a callback's replay carries
+//! `Idempotent-Replayed: true`. A repeated create is not a replay (the order
+//! may have changed since): it answers 200 instead of 201, with the order now.
 
 use std::time::Duration;
 
@@ -18,7 +20,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem::http::{problem_type, IdempotencyKey, IfMatch, Problem, WithETag};
 use idem::idempotency::ReplayCache;
-use idem::Pool;
+use idem::{Creation, Pool};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -46,12 +48,11 @@ async fn create_order(
     State(app): State<AppState>,
     Json(req): Json<NewOrder>,
 ) -> Result<Response, OrderError> {
-    let created = service::create_order(&app.pool, &req).await?;
-    let version = created.value.version;
-    Ok(replayed(
-        created.replayed,
-        WithETag(version, (StatusCode::CREATED, Json(created.value))),
-    ))
+    let (status, order) = match service::create_order(&app.pool, &req).await? {
+        Creation::Created(order) => (StatusCode::CREATED, order),
+        Creation::Existing(order) => (StatusCode::OK, order),
+    };
+    Ok(WithETag(order.version, (status, Json(order))).into_response())
 }
 
 async fn get_order(
@@ -150,6 +151,7 @@ impl IntoResponse for OrderError {
             .into_response(),
             OrderError::Idem(e) => Problem::from(&e).into_response(),
             OrderError::Versioned(e) => Problem::from(&e).into_response(),
+            OrderError::Once(e) => Problem::from(&e).into_response(),
             OrderError::Enqueue(e) => internal(&e),
             OrderError::Db(e) => internal(&e),
         }

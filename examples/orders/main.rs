@@ -13,7 +13,10 @@
 //! if it has JetStream, else a throwaway `nats-server -js`. Redis: a
 //! throwaway `redis-server` of its own (it is flushed and stopped mid-run).
 //!
-//! 1. Orders are created over HTTP, one request id sent twice at once.
+//! 1. Orders are created over HTTP, once per request id with the key on the
+//!    order row (`create_once`, the seed's `uk_idempotent_key`): one request
+//!    id sent twice at once (201 and 200, one order), then again with
+//!    another amount (422, nothing written).
 //! 2. Each order's payment callback is delivered `R` times over HTTP
 //!    (`Idempotency-Key` = the provider's transaction id, through
 //!    `#[idempotent(cache = ..)]`) and `R` times over NATS (the same id as
@@ -24,8 +27,8 @@
 //!    raced with it, or sent right after it; the loser is compensated through
 //!    `idem::jobs` and applied after the ladder's first step.
 //! 3. A retry storm: every callback `R` times more, answered from Redis.
-//! 4. The seed's self-test: two writers on one order (one wins), one request
-//!    id sent twice (one record).
+//! 4. The seed's self-test: two writers on one order (one wins); the request
+//!    id of step 1 sent twice gave one order.
 //! 5. Replies of a sample of callbacks with Redis up, flushed and stopped
 //!    are compared byte for byte.
 //!
@@ -37,7 +40,8 @@
 //! one per transaction id, `paid` the orders paid, `double_paid` the orders
 //! with more than one payment row, `compensated` the edits the queue made,
 //! `dead` the dead jobs and inbox messages, `cache_hits` Redis's own
-//! `keyspace_hits`. The process exits with 1 when a figure is wrong.
+//! `keyspace_hits`, `same_request_rows` the orders under the twice-sent
+//! request id. The process exits with 1 when a figure is wrong.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -192,18 +196,30 @@ async fn run(args: Args) -> bool {
 
     let orders: Vec<i64> = (1..=args.orders).collect();
     for_each(&orders, |id| async move {
-        create(client, id).await;
+        let reply = create(client, id, amount(id)).await;
+        assert_eq!(reply.status, 201, "create order {id}: {reply:?}");
     })
     .await;
     let selftest_order = args.orders + 1;
-    let same_request = futures_util::future::join(
-        create(client, selftest_order),
-        create(client, selftest_order),
+    let (a, b) = futures_util::future::join(
+        create(client, selftest_order, amount(selftest_order)),
+        create(client, selftest_order, amount(selftest_order)),
     )
     .await;
+    // One of them created it (201), the other found it (200), and both were
+    // answered the same order.
+    let mut statuses = [a.status, b.status];
+    statuses.sort();
     assert!(
-        same_request.0.status == 201 && same_request.1.status == 201,
-        "the self-test order is created: {same_request:?}"
+        statuses == [200, 201] && a.body == b.body && a.etag == b.etag,
+        "one request id sent twice: {a:?} {b:?}"
+    );
+    // The request id reused for another amount: refused, nothing written
+    // (counted in the database at the end).
+    let reused = create(client, selftest_order, MISMATCHED_AMOUNT).await;
+    assert!(
+        reused.status == 422 && String::from_utf8_lossy(&reused.body).contains("amount"),
+        "a request id reused with another amount: {reused:?}"
     );
 
     // Callbacks on both paths, with a quarter of the orders edited too.
@@ -281,6 +297,7 @@ async fn run(args: Args) -> bool {
         args.orders,
         edited,
         selftest_order,
+        MISMATCHED_AMOUNT,
         hits,
         identical,
     )
@@ -308,11 +325,14 @@ fn amount(id: i64) -> i64 {
     1000 + id
 }
 
-async fn create(client: Client, id: i64) -> Reply {
-    let body = json!({ "request_id": format!("create-{id}"), "id": id, "amount": amount(id) });
-    let reply = client.send(Method::POST, "/orders", &[], Some(body)).await;
-    assert_eq!(reply.status, 201, "create order {id}: {reply:?}");
-    reply
+/// The amount of the self-test's create that reuses a request id: no order
+/// has it.
+const MISMATCHED_AMOUNT: i64 = 999_999;
+
+/// `POST /orders` with the request id `create-{id}`.
+async fn create(client: Client, id: i64, amount: i64) -> Reply {
+    let body = json!({ "request_id": format!("create-{id}"), "id": id, "amount": amount });
+    client.send(Method::POST, "/orders", &[], Some(body)).await
 }
 
 async fn callback(client: Client, id: i64) -> Reply {

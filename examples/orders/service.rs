@@ -1,4 +1,6 @@
-//! The order service of seed 003: an order's status moves along a declared
+//! The order service of seed 003: an order is created once per request id,
+//! the key on the order row itself (the seed's `t_order` with
+//! `uk_idempotent_key`); its status moves along a declared
 //! state machine over a version column; a payment callback is idempotent
 //! under the provider's transaction id (over HTTP) and deduplicated by the
 //! inbox (over NATS); an operator's edit that loses to a concurrent write is
@@ -9,7 +11,10 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idem::idempotency::ReplayCache;
 use idem::jobs::{enqueue_after, EnqueueError, Job};
 use idem::versioned::Transitioned;
-use idem::{idempotent, retryable, States, Versioned, VersionedChanges, VersionedError};
+use idem::{
+    idempotent, retryable, CreateOnceError, Creation, States, Versioned, VersionedChanges,
+    VersionedError,
+};
 use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 use serde::{Deserialize, Serialize};
 
@@ -17,6 +22,7 @@ diesel::table! {
     ord_orders (tenant_id, id) {
         tenant_id -> Int8,
         id -> Int8,
+        request_id -> Text,
         status -> Text,
         amount -> Int8,
         note -> Text,
@@ -24,18 +30,23 @@ diesel::table! {
     }
 }
 
-/// The service's tables. `ord_payments` and `ord_edits` have no unique
-/// constraint on purpose: a double payment or a lost race applied twice
-/// would show there as a second row, not as an error.
+/// The service's tables. `uk_idempotent_key` is seed 003's first layer: the
+/// caller's request id is unique per tenant on the order row, so a repeated
+/// create finds the order instead of making a second one. `ord_payments` and
+/// `ord_edits` have no unique constraint on purpose: a double payment or a
+/// lost race applied twice would show there as a second row, not as an
+/// error.
 pub const SCHEMA: &str = "
 CREATE TABLE ord_orders (
     tenant_id bigint NOT NULL,
     id bigint NOT NULL,
+    request_id text NOT NULL,
     status text NOT NULL,
     amount bigint NOT NULL CHECK (amount > 0),
     note text NOT NULL DEFAULT '',
     version bigint NOT NULL DEFAULT 0 CHECK (version >= 0),
-    PRIMARY KEY (tenant_id, id));
+    PRIMARY KEY (tenant_id, id),
+    CONSTRAINT uk_idempotent_key UNIQUE (tenant_id, request_id));
 CREATE TABLE ord_payments (
     id bigserial PRIMARY KEY,
     order_id bigint NOT NULL,
@@ -69,12 +80,16 @@ pub enum Status {
     Cancelled,
 }
 
+/// An order. A repeated create must ask for the same id and amount (what the
+/// request fixes); its status, note and version change after it.
 #[derive(Debug, Clone, Queryable, Selectable, Versioned, Serialize, Deserialize)]
 #[diesel(table_name = ord_orders)]
-#[versioned(tenant = tenant_id, key = id, state = status)]
+#[versioned(tenant = tenant_id, key = id, state = status,
+            create_once(key = request_id, fingerprint(id, amount)))]
 pub struct Order {
     pub tenant_id: i64,
     pub id: i64,
+    pub request_id: String,
     pub status: Status,
     pub amount: i64,
     pub note: String,
@@ -107,6 +122,8 @@ pub enum OrderError {
     Versioned(#[from] VersionedError),
     #[error(transparent)]
     Enqueue(#[from] EnqueueError),
+    #[error(transparent)]
+    Once(#[from] CreateOnceError),
     #[error("declined: {0:?}")]
     Declined(Declined),
 }
@@ -209,21 +226,26 @@ pub struct NewOrder {
     pub amount: i64,
 }
 
-#[idempotent(key = req.request_id, scope = TENANT, fingerprint(req.id, req.amount))]
+/// Creates the order once per request id, with no record beside it: the
+/// key is on the order row (`uk_idempotent_key`). A repeat with the same id
+/// and amount gets the order as it is now ([`Creation::Existing`]); the id
+/// reused with another id or amount is [`CreateOnceError::Mismatch`], and
+/// nothing is written.
 #[retryable(max = 4, deadline_ms = 3000)]
 pub async fn create_order(
     conn: &mut AsyncPgConnection,
     req: &NewOrder,
-) -> Result<Order, OrderError> {
+) -> Result<Creation<Order>, OrderError> {
     Ok(Order {
         tenant_id: TENANT,
         id: req.id,
+        request_id: req.request_id.clone(),
         status: Status::Pending,
         amount: req.amount,
         note: String::new(),
         version: 0,
     }
-    .insert(conn)
+    .create_once(conn)
     .await?)
 }
 
