@@ -64,10 +64,10 @@ pub mod idempotency {
 /// guard.
 pub mod versioned {
     pub use idem_runtime::versioned::{
-        backstop, check_create_once, ChangesGiven, CreateOnceModel, Delete, ExpectedVersion, Find,
-        HasTenantColumn, NoChanges, NoExpectedVersion, Pending, StateMachine, Tenant, TenantGiven,
-        TenantMissing, Transition, TransitionChanges, Transitioned, Untenanted, Update,
-        VersionGiven, VersionValue, WithChanges,
+        backstop, check_create_once, ChangesGiven, CreateOnce, CreateOnceModel, Delete,
+        ExpectedVersion, Find, HasTenantColumn, NoChanges, NoExpectedVersion, Pending,
+        StateMachine, Tenant, TenantGiven, TenantMissing, Transition, TransitionChanges,
+        Transitioned, Untenanted, Update, VersionGiven, VersionValue, WithChanges,
     };
 }
 

@@ -17,8 +17,8 @@ mod transition;
 pub use builder::*;
 pub use cas::CasUpdate;
 pub use once::{
-    check_create_once, CreateOnceError, CreateOnceModel, Creation, OnceKeyNull, OnceKeyProbe,
-    OnceKeyValue,
+    check_create_once, CreateOnce, CreateOnceError, CreateOnceModel, Creation, OnceKeyNull,
+    OnceKeyProbe, OnceKeyValue,
 };
 pub use record::{JsonbArray, RecordedTransition, TransitionRecord};
 pub use states::{state_from_sql, state_to_sql, StateMachine, Transitioned};
@@ -206,7 +206,7 @@ pub trait Versioned: Sized + Send + Sync + 'static {
     }
 
     /// Insert this row once per idempotency key (seed 003's first layer):
-    /// [`Creation::Created`] when this call inserted it,
+    /// `.await` it for [`Creation::Created`] when this call inserted it,
     /// [`Creation::Existing`] when a row with the same tenant and key and the
     /// same `fingerprint(..)` fields was already there (a concurrent creator
     /// is waited for), and [`CreateOnceError::Mismatch`] when the key is
@@ -217,14 +217,11 @@ pub trait Versioned: Sized + Send + Sync + 'static {
     /// Inside a `#[retryable]` body at REPEATABLE READ or SERIALIZABLE, a
     /// concurrent create the snapshot cannot see is a serialization failure
     /// that the loop replays.
-    fn create_once<'c>(
-        &'c self,
-        conn: &'c mut AsyncPgConnection,
-    ) -> impl Future<Output = Result<Creation<Self>, CreateOnceError>> + Send + 'c
+    fn create_once<'c>(&'c self, conn: &'c mut AsyncPgConnection) -> CreateOnce<'c, Self>
     where
         Self: CreateOnceModel,
     {
-        once::create_once(self, conn)
+        CreateOnce::new(self, conn)
     }
 
     #[doc(hidden)]

@@ -193,8 +193,43 @@ pub trait CreateOnceModel: Versioned {
     ) -> impl Future<Output = Result<Option<(Self, Vec<bool>)>, DieselError>> + Send + 'c;
 }
 
+/// What a create-once answers.
+type Answer<M> = Result<Creation<M>, CreateOnceError>;
+type Run<'c, M> = std::pin::Pin<Box<dyn Future<Output = Answer<M>> + Send + 'c>>;
+
+/// A create-once of one row on one connection, from
+/// [`Versioned::create_once`]; `.await` it.
+#[must_use = "a create_once does nothing until it is awaited"]
+pub struct CreateOnce<'c, M> {
+    row: &'c M,
+    conn: &'c mut AsyncPgConnection,
+    // Chosen where `M: CreateOnceModel` is known, so that awaiting needs no
+    // bound: a model without `create_once(..)` gets one error, at the call,
+    // naming the declaration (not a second one saying it is no future).
+    run: fn(&'c M, &'c mut AsyncPgConnection) -> Run<'c, M>,
+}
+
+impl<'c, M: CreateOnceModel> CreateOnce<'c, M> {
+    pub(super) fn new(row: &'c M, conn: &'c mut AsyncPgConnection) -> Self {
+        CreateOnce {
+            row,
+            conn,
+            run: |row, conn| Box::pin(create_once(row, conn)),
+        }
+    }
+}
+
+impl<'c, M> std::future::IntoFuture for CreateOnce<'c, M> {
+    type Output = Answer<M>;
+    type IntoFuture = Run<'c, M>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        (self.run)(self.row, self.conn)
+    }
+}
+
 /// The body of [`Versioned::create_once`].
-pub(super) async fn create_once<M: CreateOnceModel>(
+async fn create_once<M: CreateOnceModel>(
     row: &M,
     conn: &mut AsyncPgConnection,
 ) -> Result<Creation<M>, CreateOnceError> {
