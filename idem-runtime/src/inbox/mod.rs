@@ -22,7 +22,7 @@
 //! ([`Outcome::Parked`]), and stops being redelivered. Parked messages are
 //! listed by [`Inbox::dead_letters`] and run again by [`Inbox::requeue`].
 //!
-//! [`Inbox::run`] (feature `nats`) is the pull loop over a JetStream
+//! `Inbox::run` (feature `nats`) is the pull loop over a JetStream
 //! consumer: it handles each message and only then acknowledges it (ack, or
 //! term for a parked one, or nak with the backoff delay for a retry). An ack
 //! that is lost costs nothing but a redelivery that the record skips.
