@@ -3,7 +3,7 @@
 //! `cargo run --release --example bench_idempotent [-- --iterations N --warmup N]`
 //!
 //! One handler (insert a payment row and its outbox row, in one transaction),
-//! six ways:
+//! seven ways:
 //!
 //! - `bare`: under `#[retryable]` only: `BEGIN`, two inserts, `COMMIT`;
 //! - `local`: `#[idempotent]` (local mode) on top, a new key every call:
@@ -20,16 +20,24 @@
 //! - `handwritten`: what teams write by hand (brandur's Stripe-style keys, the
 //!   Powertools pattern): the key row is inserted and committed first, then
 //!   the handler and the `UPDATE` that completes the key row commit together
-//!   (two commits), a new key every call.
+//!   (two commits), a new key every call;
+//! - `business_key`: the key on the payment row itself (seed 003's first
+//!   layer), under `#[retryable]` only: the payment is a `#[derive(Versioned)]`
+//!   model with `create_once(key = order_key, fingerprint(amount, currency,
+//!   merchant))` in a table of its own (`bench_idempotent_keyed_payments`:
+//!   the payment's columns, `version`, and `UNIQUE (order_key)`), created with
+//!   one `INSERT .. ON CONFLICT DO NOTHING RETURNING ..`, then the same
+//!   outbox row; no record row. A new key every call.
 //!
 //! Each contender has its own pool of one connection per caller. They run
 //! interleaved, round-robin within each iteration with a rotating first
-//! place, so drift on a shared machine hits all six alike; `--concurrency N`
+//! place, so drift on a shared machine hits all seven alike; `--concurrency N`
 //! runs N such callers at once. The last line is machine-readable:
 //! `bare_us=.. local_us=.. external_us=.. replay_us=.. handwritten_us=..
 //! unguarded_us=.. local_ratio=.. replay_ratio=.. handwritten_ratio=..
-//! guard_ratio=..` (medians in µs; local and replay against bare,
-//! handwritten_ratio = local / handwritten, guard_ratio = bare / unguarded).
+//! guard_ratio=.. business_key_us=.. business_key_ratio=..` (medians in µs;
+//! local, replay and business_key against bare, handwritten_ratio = local /
+//! handwritten, guard_ratio = bare / unguarded).
 
 #[path = "common/bench.rs"]
 mod bench;
@@ -43,7 +51,7 @@ use std::time::{Duration, Instant};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::pool::{build_pool_with, PoolConfig};
-use idem::{idempotent, retryable, Deferred, Pool};
+use idem::{idempotent, retryable, CreateOnceError, Deferred, Pool, Versioned};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -54,6 +62,17 @@ diesel::table! {
         amount -> Int8,
         currency -> Text,
         merchant -> Text,
+    }
+}
+
+diesel::table! {
+    bench_idempotent_keyed_payments (id) {
+        id -> Int8,
+        order_key -> Text,
+        amount -> Int8,
+        currency -> Text,
+        merchant -> Text,
+        version -> Int8,
     }
 }
 
@@ -77,6 +96,15 @@ const SCHEMA: &str = "
         currency  text   NOT NULL,
         merchant  text   NOT NULL
     );
+    DROP TABLE IF EXISTS bench_idempotent_keyed_payments;
+    CREATE TABLE bench_idempotent_keyed_payments (
+        id        bigint PRIMARY KEY,
+        order_key text   NOT NULL UNIQUE,
+        amount    bigint NOT NULL,
+        currency  text   NOT NULL,
+        merchant  text   NOT NULL,
+        version   bigint NOT NULL DEFAULT 0
+    );
     DROP TABLE IF EXISTS bench_idempotent_keys;
     CREATE TABLE bench_idempotent_keys (
         key         text PRIMARY KEY,
@@ -95,13 +123,14 @@ const SCHEMA: &str = "
 
 /// This benchmark's key space in `idem_requests`, emptied at start and end.
 const SCOPE: &str = "bench_idempotent";
-const NAMES: [&str; 6] = [
+const NAMES: [&str; 7] = [
     "bare",
     "local",
     "external",
     "replay",
     "handwritten",
     "unguarded",
+    "business_key",
 ];
 const CONTENDERS: usize = NAMES.len();
 
@@ -111,6 +140,8 @@ enum AppError {
     Db(#[from] diesel::result::Error),
     #[error(transparent)]
     Idem(#[from] idem::Error),
+    #[error(transparent)]
+    Once(#[from] CreateOnceError),
 }
 
 idem::final_errors!(AppError);
@@ -130,6 +161,21 @@ struct Payment {
     amount: i64,
     currency: String,
     status: String,
+}
+
+/// The business_key contender's payment: the idempotency key is its
+/// `order_key`, unique in its table.
+#[derive(Debug, Clone, Queryable, Selectable, Versioned)]
+#[diesel(table_name = bench_idempotent_keyed_payments)]
+#[versioned(tenant = none, key = id,
+            create_once(key = order_key, fingerprint(amount, currency, merchant)))]
+struct KeyedPayment {
+    id: i64,
+    order_key: String,
+    amount: i64,
+    currency: String,
+    merchant: String,
+    version: i64,
 }
 
 /// The handler every contender run: one payment row, one outbox row.
@@ -154,21 +200,61 @@ async fn write_payment(
         currency: cmd.currency.to_owned(),
         status: "created".to_owned(),
     };
+    write_event(conn, &payment).await?;
+    Ok(payment)
+}
+
+/// The payment's outbox row.
+async fn write_event(conn: &mut AsyncPgConnection, payment: &Payment) -> Result<(), AppError> {
     diesel::insert_into(bench_idempotent_outbox::table)
         .values((
-            bench_idempotent_outbox::event_key.eq(format!("payment:{}:created", cmd.payment_id)),
-            bench_idempotent_outbox::aggregate_key.eq(&cmd.idempotency_key),
+            bench_idempotent_outbox::event_key
+                .eq(format!("payment:{}:created", payment.payment_id)),
+            bench_idempotent_outbox::aggregate_key.eq(&payment.order_key),
             bench_idempotent_outbox::event_type.eq("payment.created"),
             bench_idempotent_outbox::payload.eq(json!(payment)),
         ))
         .execute(conn)
         .await?;
-    Ok(payment)
+    Ok(())
 }
 
 #[retryable(max = 4, deadline_ms = 800)]
 async fn pay_bare(conn: &mut AsyncPgConnection, cmd: &PaymentCmd) -> Result<Payment, AppError> {
     write_payment(conn, cmd).await
+}
+
+/// The key on the payment row: created once per `order_key`; the outbox row
+/// only with the payment that this call created. Answers whether the payment
+/// was already there (a repeat).
+#[retryable(max = 4, deadline_ms = 800)]
+async fn pay_business_key(
+    conn: &mut AsyncPgConnection,
+    cmd: &PaymentCmd,
+) -> Result<(Payment, bool), AppError> {
+    let created = KeyedPayment {
+        id: cmd.payment_id,
+        order_key: cmd.idempotency_key.clone(),
+        amount: cmd.amount,
+        currency: cmd.currency.to_owned(),
+        merchant: cmd.merchant.to_owned(),
+        version: 0,
+    }
+    .create_once(conn)
+    .await?;
+    let repeat = !created.is_created();
+    let row = created.into_row();
+    let payment = Payment {
+        payment_id: row.id,
+        order_key: row.order_key,
+        amount: row.amount,
+        currency: row.currency,
+        status: "created".to_owned(),
+    };
+    if !repeat {
+        write_event(conn, &payment).await?;
+    }
+    Ok((payment, repeat))
 }
 
 #[idempotent(
@@ -227,7 +313,8 @@ async fn pay_handwritten(pool: &Pool, cmd: &PaymentCmd) -> Result<Payment, AppEr
 /// One caller: a pool of one connection per contender, so none reuses
 /// another's prepared statements or waits behind its traffic.
 struct Contenders {
-    pools: [Pool; 5],
+    /// By contender, but for `unguarded` (its own connection below).
+    pools: [Pool; 6],
     /// The unguarded contender's connection, outside idem's pool.
     own: AsyncPgConnection,
     /// The key the replay contender repeats, completed during setup.
@@ -253,7 +340,7 @@ impl Contenders {
             3 => None,
             _ => Some(self.new_cmd(which)),
         };
-        let pool = &self.pools[which.min(4)];
+        let pool = &self.pools[if which == 6 { 5 } else { which.min(4) }];
         let start = Instant::now();
         let (payment, replayed) = match (which, &cmd) {
             (0, Some(cmd)) => (pay_bare(pool, cmd).await.expect("bare"), false),
@@ -276,6 +363,7 @@ impl Contenders {
                     .expect("unguarded"),
                 false,
             ),
+            (6, Some(cmd)) => pay_business_key(pool, cmd).await.expect("business_key"),
             _ => {
                 let answer = pay_local(pool, &self.replayed).await.expect("replay");
                 (answer.value, answer.replayed)
@@ -311,7 +399,7 @@ async fn caller(
     };
     let pool = || build_pool_with(&url, &one).expect("pool");
     let mut c = Contenders {
-        pools: [pool(), pool(), pool(), pool(), pool()],
+        pools: [pool(), pool(), pool(), pool(), pool(), pool()],
         own: AsyncPgConnection::establish(&url).await.expect("connect"),
         replayed: PaymentCmd {
             idempotency_key: format!("replay-{caller}"),
@@ -368,7 +456,7 @@ async fn main() {
         args.iterations, args.warmup, args.concurrency
     );
     println!(
-        "{:<10} {:>10} {:>10} {:>10} {:>8}",
+        "{:<12} {:>10} {:>10} {:>10} {:>8}",
         "contender", "median_us", "p90_us", "p99_us", "vs_bare"
     );
     let mut medians = [0.0; CONTENDERS];
@@ -378,7 +466,7 @@ async fn main() {
     }
     for (which, s) in samples.iter().enumerate() {
         println!(
-            "{:<10} {:>10.1} {:>10.1} {:>10.1} {:>8.2}",
+            "{:<12} {:>10.1} {:>10.1} {:>10.1} {:>8.2}",
             NAMES[which],
             medians[which],
             percentile_us(s, 0.9),
@@ -386,14 +474,16 @@ async fn main() {
             medians[which] / medians[0]
         );
     }
-    let [bare, local, external, replay, handwritten, unguarded] = medians;
+    let [bare, local, external, replay, handwritten, unguarded, business_key] = medians;
     println!(
         "bare_us={bare:.1} local_us={local:.1} external_us={external:.1} replay_us={replay:.1} \
          handwritten_us={handwritten:.1} unguarded_us={unguarded:.1} local_ratio={:.2} \
-         replay_ratio={:.2} handwritten_ratio={:.2} guard_ratio={:.2}",
+         replay_ratio={:.2} handwritten_ratio={:.2} guard_ratio={:.2} \
+         business_key_us={business_key:.1} business_key_ratio={:.2}",
         local / bare,
         replay / bare,
         local / handwritten,
-        bare / unguarded
+        bare / unguarded,
+        business_key / bare
     );
 }
