@@ -35,6 +35,7 @@ mod nats;
 mod publisher;
 mod relay;
 mod store;
+mod timing;
 
 use std::time::Duration;
 

@@ -149,9 +149,9 @@ pub struct Horizon {
 }
 
 impl Horizon {
-    /// Lease plus retry.
+    /// Lease plus retry (at most `Duration::MAX`).
     pub fn total(&self) -> Duration {
-        self.lease + self.retry
+        self.lease.saturating_add(self.retry)
     }
 
     /// Refuse a broker that remembers message ids for `window` only, when

@@ -12,6 +12,8 @@ use futures_util::StreamExt;
 
 use super::publisher::{Horizon, OutboxMessage, PrepareError, PublishError, Publisher};
 use super::store;
+use super::timing::backoff_after;
+pub use super::timing::RelayTiming;
 use crate::pool::{Pool, PooledConnection};
 
 /// Why [`Relay::run`] or [`Relay::run_once`] stopped.
@@ -47,66 +49,6 @@ pub struct Round {
     /// as they were, counted against no event. The relay then waits for the
     /// broker before its next round.
     pub unavailable: usize,
-}
-
-/// The wait after the `failures`-th failed publish of an event: `base`
-/// doubled after each failure but the first, at most `max`.
-fn backoff_after(base: Duration, max: Duration, failures: u32) -> Duration {
-    let factor = 2u32.saturating_pow(failures.saturating_sub(1));
-    base.saturating_mul(factor).min(max)
-}
-
-/// The settings of a [`Relay`] that decide its [`Horizon`], with
-/// [`Relay::new`]'s defaults: for a broker's window checked without a
-/// relay at hand (`idem doctor`'s stream check).
-///
-/// ```
-/// use std::time::Duration;
-/// use idem_runtime::outbox::RelayTiming;
-///
-/// let mut timing = RelayTiming::default();
-/// assert_eq!(timing.horizon().total(), Duration::from_millis(37_600));
-/// timing.lease = Duration::from_secs(30); // a relay built with .lease(30 s)
-/// assert_eq!(timing.horizon().total(), Duration::from_millis(52_600));
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RelayTiming {
-    /// [`Relay::lease`]; default 15 s.
-    pub lease: Duration,
-    /// [`Relay::max_attempts`]; default 8.
-    pub max_attempts: u32,
-    /// [`Relay::backoff`]'s `base`; default 200 ms.
-    pub backoff_base: Duration,
-    /// [`Relay::backoff`]'s `max`; default 10 s.
-    pub backoff_max: Duration,
-}
-
-impl Default for RelayTiming {
-    fn default() -> Self {
-        RelayTiming {
-            lease: Duration::from_secs(15),
-            max_attempts: 8,
-            backoff_base: Duration::from_millis(200),
-            backoff_max: Duration::from_secs(10),
-        }
-    }
-}
-
-impl RelayTiming {
-    /// The relay's horizon, as [`Relay::horizon`] computes it: the lease
-    /// plus the backoff after each failed attempt but the last (the values
-    /// taken as the relay's setters take them).
-    pub fn horizon(&self) -> Horizon {
-        let max = self.backoff_max.max(self.backoff_base);
-        let retry = (1..self.max_attempts.max(1))
-            .map(|n| backoff_after(self.backoff_base, max, n))
-            .sum();
-        Horizon {
-            lease: self.lease,
-            retry,
-        }
-    }
 }
 
 /// Publishes the outbox to a broker: at least once, in commit order per key.
