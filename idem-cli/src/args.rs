@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::error::ErrorKind;
+use clap::{Args, CommandFactory, Parser, Subcommand};
 
 /// The operator's command line for a database idem uses.
 #[derive(Debug, Parser)]
@@ -16,6 +17,23 @@ pub struct Cli {
     pub json: bool,
     #[command(subcommand)]
     pub command: Command,
+}
+
+impl Cli {
+    /// What clap cannot say alone: `--stream`/`--subject` without a NATS
+    /// server to ask. A usage error (exit 2), as clap's own.
+    pub fn check(&self) -> Result<(), clap::Error> {
+        if let Command::Doctor(d) = &self.command {
+            let nats = d.nats_url.as_deref().is_some_and(|u| !u.trim().is_empty());
+            if (d.stream.is_some() || d.subject.is_some()) && !nats {
+                return Err(Cli::command().error(
+                    ErrorKind::MissingRequiredArgument,
+                    "--stream/--subject need --nats-url or NATS_URL",
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -117,7 +135,7 @@ pub enum OutboxCmd {
     /// Put one dead event (by id), or many (--all), back in line.
     Requeue {
         /// The event's id.
-        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        #[arg(required_unless_present = "all", conflicts_with = "all", value_parser = event_id)]
         id: Option<String>,
         /// Every dead event (of --key), oldest first, at most --limit.
         #[arg(long)]
@@ -133,6 +151,7 @@ pub enum OutboxCmd {
     /// Delete one dead event: it is never published, its key moves on.
     Discard {
         /// The event's id.
+        #[arg(value_parser = event_id)]
         id: String,
     },
 }
@@ -197,8 +216,8 @@ pub enum InboxCmd {
         /// longer than any message can still be redelivered.
         #[arg(long, value_parser = duration)]
         older_than: Duration,
-        /// Rows per statement.
-        #[arg(long, default_value_t = 1000)]
+        /// Rows per statement (at least 1).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..))]
         batch: i64,
     },
 }
@@ -212,8 +231,8 @@ pub struct PurgeArgs {
     /// Also outbox events sent longer ago than this (`1h`, `7d`).
     #[arg(long, value_parser = duration)]
     pub outbox_sent_older_than: Option<Duration>,
-    /// Rows per statement.
-    #[arg(long, default_value_t = 1000)]
+    /// Rows per statement (at least 1).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..))]
     pub batch: i64,
 }
 
@@ -235,21 +254,48 @@ pub struct DoctorArgs {
     /// stream that captures it is checked.
     #[arg(long)]
     pub subject: Option<String>,
-    /// The relay's lease, when not the default 15s (Relay::lease).
-    #[arg(long, value_parser = duration)]
+    /// The relay's lease, when not the default 15s (Relay::lease); at
+    /// most 7d.
+    #[arg(long, value_parser = relay_duration)]
     pub relay_lease: Option<Duration>,
     /// The relay's attempts per event, when not the default 8
-    /// (Relay::max_attempts).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    /// (Relay::max_attempts); 1 to 10000.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_RELAY_ATTEMPTS))]
     pub relay_max_attempts: Option<u32>,
     /// The relay's first backoff, when not the default 200ms
-    /// (Relay::backoff's base).
-    #[arg(long, value_parser = duration)]
+    /// (Relay::backoff's base); at most 7d.
+    #[arg(long, value_parser = relay_duration)]
     pub relay_backoff_base: Option<Duration>,
     /// The relay's longest backoff, when not the default 10s
-    /// (Relay::backoff's max).
-    #[arg(long, value_parser = duration)]
+    /// (Relay::backoff's max); at most 7d.
+    #[arg(long, value_parser = relay_duration)]
     pub relay_backoff_max: Option<Duration>,
+}
+
+/// The most attempts `--relay-max-attempts` takes: far beyond any relay's
+/// (the default is 8), and small enough that nothing overflows.
+const MAX_RELAY_ATTEMPTS: i64 = 10_000;
+
+/// The longest `--relay-*` duration: a week, far beyond any relay's lease
+/// or backoff (the defaults are 15 s and 10 s).
+const MAX_RELAY_DURATION: Duration = Duration::from_secs(7 * 86_400);
+
+/// A relay's lease or backoff: a [`duration`] of at most a week.
+fn relay_duration(s: &str) -> Result<Duration, String> {
+    let d = duration(s)?;
+    if d > MAX_RELAY_DURATION {
+        return Err(format!(
+            "{s:?} is longer than any relay's setting idem checks (at most 7d)"
+        ));
+    }
+    Ok(d)
+}
+
+/// An outbox event's id: a UUID, as `outbox dead` lists it.
+fn event_id(s: &str) -> Result<String, String> {
+    uuid::Uuid::parse_str(s)
+        .map(|_| s.to_owned())
+        .map_err(|e| format!("{s:?} is not an event id (a UUID): {e}"))
 }
 
 fn json(s: &str) -> Result<serde_json::Value, String> {

@@ -228,12 +228,10 @@ async fn records_events_and_jobs_made_by_the_library() {
         (json(&out)["dead"].clone(), json(&out)["pending"].clone()),
         (0.into(), 1.into())
     );
+    // An id that is no UUID is a usage error, as for `jobs` (exit 2).
     let (code, _, err) = idem(url, &["outbox", "discard", "not-a-uuid"]);
-    assert_eq!(code, 1);
-    assert!(
-        err.starts_with("idem: ") && err.lines().count() == 1,
-        "{err}"
-    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not an event id (a UUID)"), "{err}");
 
     let (code, out, _) = idem(url, &["jobs", "dead"]);
     assert_eq!(code, 0);

@@ -172,9 +172,11 @@ pub struct DoctorOptions {
     /// The pool size of each instance that will connect (their sum is
     /// checked against `max_connections`); empty to skip that comparison.
     pub pool_sizes: Vec<u32>,
-    /// The port the database URL names, to tell whether something (a
-    /// pooler such as PgBouncer, a proxy) sits between it and the server.
-    pub url_port: Option<u16>,
+    /// The ports the database URL names (one per host of a multi-host
+    /// URL; empty when it names none), to tell whether something (a pooler
+    /// such as PgBouncer, a proxy) sits between it and the server: none of
+    /// them is the server's port.
+    pub url_ports: Vec<u16>,
 }
 
 #[derive(diesel::QueryableByName)]
@@ -337,16 +339,7 @@ pub async fn doctor(pool: &Pool, options: &DoctorOptions) -> Result<Vec<Check>, 
         Check::new("connections", Good, format!("{base}; the pools given want {wanted} of {available}"), None)
     });
 
-    checks.push(match (options.url_port, s.port) {
-        (Some(url), Some(server)) if i32::from(url) != server => Check::new(
-            "pooler",
-            Warn,
-            format!("the URL names port {url}, the server listens on {server}: a pooler (PgBouncer?) or proxy sits between"),
-            Some("behind PgBouncer in transaction mode build the pool with Pooler::TransactionPooling; run migrations on a direct URL"),
-        ),
-        (_, None) => Check::new("pooler", Good, "connected over a Unix socket: direct".into(), None),
-        _ => Check::new("pooler", Good, "direct to the server (the ports agree)".into(), None),
-    });
+    checks.push(pooler(&options.url_ports, s.port));
 
     let names_set = !s.standby_names.trim().is_empty();
     checks.push(if names_set && s.sync_standbys == 0 {
@@ -386,6 +379,46 @@ pub async fn doctor(pool: &Pool, options: &DoctorOptions) -> Result<Vec<Check>, 
         checks.push(backlog(pool).await);
     }
     Ok(checks)
+}
+
+/// Whether a pooler sits between: the URL's ports against the server's
+/// (`inet_server_port()`, none over a Unix socket). A multi-host URL is
+/// direct when any of its ports is the server's: the host connected to
+/// is not known here, and a failover list names the same port for each.
+fn pooler(url_ports: &[u16], server: Option<i32>) -> Check {
+    let named = |ports: &[u16]| {
+        ports
+            .iter()
+            .map(u16::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match server {
+        None => Check::new(
+            "pooler",
+            CheckState::Ok,
+            "connected over a Unix socket: direct".into(),
+            None,
+        ),
+        Some(server) if !url_ports.is_empty() && !url_ports.iter().any(|&p| i32::from(p) == server) => {
+            Check::new(
+                "pooler",
+                CheckState::Warn,
+                format!(
+                    "the URL names port{} {}, the server listens on {server}: a pooler (PgBouncer?) or proxy sits between",
+                    if url_ports.len() > 1 { "s" } else { "" },
+                    named(url_ports)
+                ),
+                Some("behind PgBouncer in transaction mode build the pool with Pooler::TransactionPooling; run migrations on a direct URL"),
+            )
+        }
+        Some(_) => Check::new(
+            "pooler",
+            CheckState::Ok,
+            "direct to the server (the ports agree)".into(),
+            None,
+        ),
+    }
 }
 
 fn names(ms: &[AppliedMigration]) -> String {
@@ -495,5 +528,23 @@ async fn backlog(pool: &Pool) -> Check {
                 )
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_port_of_a_multi_host_url_that_is_the_servers_is_direct() {
+        let direct = |ports: &[u16], server| pooler(ports, server).state == CheckState::Ok;
+        assert!(direct(&[5432], Some(5432)));
+        assert!(direct(&[1, 5432], Some(5432)), "postgres://h:1,h:5432/db");
+        assert!(direct(&[], Some(5432)), "no port named");
+        assert!(direct(&[6432], None), "a Unix socket");
+        assert!(!direct(&[6432], Some(5432)));
+        let two = pooler(&[6432, 6433], Some(5432));
+        assert_eq!(two.state, CheckState::Warn);
+        assert!(two.detail.contains("ports 6432, 6433"), "{}", two.detail);
     }
 }
