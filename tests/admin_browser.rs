@@ -18,10 +18,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use diesel::sql_types::{BigInt, Double, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
-use hyper::{Method, Request};
-use hyper_util::rt::TokioIo;
+use hyper::Method;
 use idem::admin::{self, AdminConfig};
 use idem::jobs::{enqueue, Enqueued, Job, Ladder, Worker};
 use idem::outbox::{emit, EmitError, Event, EventId};
@@ -227,6 +224,10 @@ async fn assert_gauges(browser: &Session<'_>, pool: &Pool, overview: &str) -> Ve
     }
     shown
 }
+
+#[path = "admin_browser/raw_http.rs"]
+mod raw_http;
+use raw_http::http;
 
 #[path = "admin_browser/client.rs"]
 mod client;

@@ -1,116 +1,63 @@
-//! The handlers: read the request, call [`operate`](crate::operate),
-//! render a page.
+//! The pages: read the request, call [`operate`](crate::operate), render.
 
-use axum::body::Bytes;
 use axum::extract::{OriginalUri, State};
-use axum::http::header::{CACHE_CONTROL, COOKIE, SET_COOKIE};
+use axum::http::header::{CACHE_CONTROL, SET_COOKIE};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{Html, IntoResponse, Response};
-use idem_runtime::operate::{self, OperateError, Page};
+use idem_runtime::operate::{self, OperateError};
 
+use super::request::{base, page, Fields};
 use super::{csrf, pages, refuse, Admin};
-
-/// A request's query or form fields, decoded.
-struct Fields(Vec<(String, String)>);
-
-impl Fields {
-    fn parse(s: &str) -> Fields {
-        Fields(
-            s.split('&')
-                .filter(|p| !p.is_empty())
-                .map(|p| {
-                    let (k, v) = p.split_once('=').unwrap_or((p, ""));
-                    (decode(k), decode(v))
-                })
-                .collect(),
-        )
-    }
-    fn query(uri: &Uri) -> Fields {
-        Fields::parse(uri.query().unwrap_or(""))
-    }
-    fn get(&self, name: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-    fn text(&self, name: &str) -> String {
-        self.get(name).unwrap_or("").trim().to_owned()
-    }
-    fn all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
-        self.0
-            .iter()
-            .filter(move |(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-    fn number(&self, name: &str) -> Option<i64> {
-        self.get(name)?.trim().parse().ok()
-    }
-}
-
-/// `application/x-www-form-urlencoded` decoding (`+` is a space).
-fn decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
-                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
-                    Some(b) => {
-                        out.push(b);
-                        i += 2;
-                    }
-                    None => out.push(b'%'),
-                }
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Where the router is mounted: the original path minus the router's own.
-fn base(original: &Uri, own: &Uri) -> String {
-    let full = original.path();
-    let rest = own.path().trim_end_matches('/');
-    full.strip_suffix(rest)
-        .unwrap_or("")
-        .trim_end_matches('/')
-        .to_owned()
-}
-
-/// The request's page: `offset` from the query, `limit` the config's size.
-fn page(admin: &Admin, q: &Fields) -> Page {
-    Page {
-        limit: admin.config.page_size,
-        offset: q.number("offset").unwrap_or(0).max(0),
-    }
-}
 
 /// A page, with the CSRF cookie when actions are on (the request's own
 /// token kept when it is good, a new one otherwise).
-struct Rendered {
-    title: String,
-    body: String,
-    token: Option<(String, bool)>,
-    base: String,
+pub(super) struct Rendered {
+    pub(super) title: String,
+    pub(super) body: String,
+    pub(super) token: Option<(String, bool)>,
+    pub(super) base: String,
 }
 
 impl Admin {
-    /// The token for this request's forms: `(token, new)`; none when read-only.
-    fn token(&self, headers: &HeaderMap) -> Option<(String, bool)> {
+    /// The token for this request's forms: `(token, new)`; none when
+    /// read-only. The request's own is kept when it is the only one and
+    /// good.
+    pub(super) fn token(&self, headers: &HeaderMap) -> Option<(String, bool)> {
         if !self.config.actions {
             return None;
         }
-        let cookie = csrf::from_cookies(headers.get(COOKIE).and_then(|v| v.to_str().ok()));
-        Some(match cookie {
-            Some(t) if self.csrf.valid(t) => (t.to_owned(), false),
+        Some(match csrf::from_cookies(headers)[..] {
+            [t] if self.csrf.valid(t) => (t.to_owned(), false),
             _ => (self.csrf.issue(), true),
         })
+    }
+
+    /// A failed operator call as a page: when idem's migrations are
+    /// missing (every page fails on a missing table then), 503 saying to
+    /// run `idem migrate`; otherwise 500 with the error.
+    pub(super) async fn failed(&self, e: OperateError) -> Response {
+        if let Ok(status) = operate::migration_status(&self.pool).await {
+            if !status.pending.is_empty() {
+                let missing: Vec<String> = status
+                    .pending
+                    .iter()
+                    .map(|m| format!("{} {}", m.version, m.name))
+                    .collect();
+                return refuse(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!(
+                        "idem's migrations are missing from this database ({} of {}: {}): run `idem migrate` (or idem::migrate at the application's start-up), then reload.",
+                        missing.len(),
+                        status.pending.len() + status.applied.len() + status.mismatched.len(),
+                        missing.join(", ")
+                    ),
+                );
+            }
+        }
+        refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &format!("The operator call failed: {e}"),
+        )
     }
 }
 
@@ -139,13 +86,6 @@ impl IntoResponse for Rendered {
     }
 }
 
-fn failed(e: OperateError) -> Response {
-    refuse(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        &format!("The operator call failed: {e}"),
-    )
-}
-
 pub(super) async fn overview(
     State(admin): State<Admin>,
     OriginalUri(original): OriginalUri,
@@ -163,7 +103,7 @@ pub(super) async fn overview(
     };
     let (records, outbox, jobs, inbox) = match counts.await {
         Ok(all) => all,
-        Err(e) => return failed(e),
+        Err(e) => return admin.failed(e).await,
     };
     let limit = usize::try_from(admin.config.page_size).unwrap_or(50);
     let more = inbox.len() > limit;
@@ -188,7 +128,10 @@ pub(super) async fn jobs(
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    let q = Fields::query(&uri);
+    let q = match Fields::query(&uri).without_nul() {
+        Ok(q) => q,
+        Err(refused) => return refused.into_response(),
+    };
     let kind = q.text("kind");
     let page = page(&admin, &q);
     let rows = match operate::dead_jobs(
@@ -199,7 +142,7 @@ pub(super) async fn jobs(
     .await
     {
         Ok(rows) => rows,
-        Err(e) => return failed(e),
+        Err(e) => return admin.failed(e).await,
     };
     let base = base(&original, &uri);
     let token = admin.token(&headers);
@@ -232,7 +175,10 @@ pub(super) async fn events(
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    let q = Fields::query(&uri);
+    let q = match Fields::query(&uri).without_nul() {
+        Ok(q) => q,
+        Err(refused) => return refused.into_response(),
+    };
     let key = q.text("key");
     let page = page(&admin, &q);
     let rows = match operate::dead_events(
@@ -243,7 +189,7 @@ pub(super) async fn events(
     .await
     {
         Ok(rows) => rows,
-        Err(e) => return failed(e),
+        Err(e) => return admin.failed(e).await,
     };
     let base = base(&original, &uri);
     let token = admin.token(&headers);
@@ -275,11 +221,14 @@ pub(super) async fn inbox(
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    let q = Fields::query(&uri);
+    let q = match Fields::query(&uri).without_nul() {
+        Ok(q) => q,
+        Err(refused) => return refused.into_response(),
+    };
     let page = page(&admin, &q);
     let consumers = match operate::inbox_stats(&admin.pool).await {
         Ok(c) => c,
-        Err(e) => return failed(e),
+        Err(e) => return admin.failed(e).await,
     };
     let limit = usize::try_from(admin.config.page_size).unwrap_or(50);
     let consumer = q.text("consumer");
@@ -288,7 +237,7 @@ pub(super) async fn inbox(
     } else {
         match operate::inbox_dead(&admin.pool, &consumer, page).await {
             Ok(l) => Some(l),
-            Err(e) => return failed(e),
+            Err(e) => return admin.failed(e).await,
         }
     };
     let base = base(&original, &uri);
@@ -320,18 +269,37 @@ pub(super) async fn key(
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    let q = Fields::query(&uri);
+    let q = match Fields::query(&uri).without_nul() {
+        Ok(q) => q,
+        Err(refused) => return refused.into_response(),
+    };
     let scope_text = q.text("scope");
     let key = q.text("key");
     let base = base(&original, &uri);
     let mut record = None;
     if !key.is_empty() {
-        // A scope that is no JSON is taken as a JSON string.
+        // A scope must be JSON, as the CLI's --scope: `acme` is refused,
+        // not taken as the string "acme" (quoted, it is one).
         let scope: serde_json::Value = if scope_text.is_empty() {
             serde_json::Value::Null
         } else {
-            serde_json::from_str(&scope_text)
-                .unwrap_or_else(|_| serde_json::Value::String(scope_text.clone()))
+            match serde_json::from_str(&scope_text) {
+                Ok(scope) => scope,
+                Err(e) => {
+                    let body = format!(
+                        "{}<p class=\"msg\" id=\"bad-scope\">The scope is not JSON ({}): give it as the function's <code>scope = ..</code> gives it, e.g. <code>7</code>, <code>[7,\"u1\"]</code>, <code>\"acme\"</code> (a string in quotes); leave it empty for none. Nothing was looked up.</p>",
+                        pages::key_lookup(&base, &scope_text, &key, None, false),
+                        pages::esc(&e.to_string())
+                    );
+                    let page = Rendered {
+                        title: "Key lookup".into(),
+                        body,
+                        token: admin.token(&headers),
+                        base,
+                    };
+                    return (StatusCode::BAD_REQUEST, page).into_response();
+                }
+            }
         };
         let found = if scope.is_null() {
             operate::show_key(&admin.pool, &(), &key).await
@@ -340,7 +308,7 @@ pub(super) async fn key(
         };
         match found {
             Ok(r) => record = Some(r),
-            Err(e) => return failed(e),
+            Err(e) => return admin.failed(e).await,
         }
     }
     let body = pages::key_lookup(
@@ -357,191 +325,4 @@ pub(super) async fn key(
         base,
     }
     .into_response()
-}
-
-/// An action's form, when its token passed.
-fn action_form(admin: &Admin, headers: &HeaderMap, body: &Bytes) -> Option<Fields> {
-    let form = Fields::parse(std::str::from_utf8(body).unwrap_or(""));
-    let cookie = csrf::from_cookies(headers.get(COOKIE).and_then(|v| v.to_str().ok()));
-    admin.csrf.check(cookie, form.get("csrf")).then_some(form)
-}
-
-fn bad_token() -> Response {
-    refuse(
-        StatusCode::FORBIDDEN,
-        "Missing or invalid CSRF token: reload the page and try again. Nothing was changed.",
-    )
-}
-
-/// What an action asks for.
-enum Op {
-    One(&'static str, String),
-    Selected(&'static str),
-    All(&'static str),
-}
-
-fn op(form: &Fields) -> Option<Op> {
-    let op = form.get("op")?;
-    let verb = |v: &str| match v {
-        "requeue" => Some("requeue"),
-        "discard" => Some("discard"),
-        _ => None,
-    };
-    if let Some((v, id)) = op.split_once(':') {
-        return Some(Op::One(verb(v)?, id.to_owned()));
-    }
-    let (v, which) = op.split_once('_')?;
-    match which {
-        "selected" => Some(Op::Selected(verb(v)?)),
-        "all" => Some(Op::All(verb(v)?)),
-        _ => None,
-    }
-}
-
-fn result_page(
-    admin: &Admin,
-    headers: &HeaderMap,
-    base: String,
-    title: &str,
-    back: &str,
-    lines: &[String],
-) -> Response {
-    Rendered {
-        title: title.into(),
-        body: pages::done(back, lines),
-        token: admin.token(headers),
-        base,
-    }
-    .into_response()
-}
-
-pub(super) async fn jobs_action(
-    State(admin): State<Admin>,
-    OriginalUri(original): OriginalUri,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let Some(form) = action_form(&admin, &headers, &body) else {
-        return bad_token();
-    };
-    let Some(op) = op(&form) else {
-        return refuse(StatusCode::BAD_REQUEST, "No such action.");
-    };
-    let limit = admin.config.page_size;
-    let kind = form.text("kind");
-    let kind = Some(kind.as_str()).filter(|k| !k.is_empty());
-    let ids: Vec<i64> = match &op {
-        Op::One(_, id) => id.parse().ok().into_iter().collect(),
-        Op::Selected(_) => form
-            .all("id")
-            .filter_map(|i| i.parse().ok())
-            .take(usize::try_from(limit).unwrap_or(50))
-            .collect(),
-        Op::All(_) => {
-            let n = form.number("limit").unwrap_or(limit).clamp(1, limit);
-            match operate::dead_jobs(
-                &admin.pool,
-                kind,
-                Page {
-                    limit: n,
-                    offset: 0,
-                },
-            )
-            .await
-            {
-                Ok(rows) => rows.into_iter().map(|r| r.id).collect(),
-                Err(e) => return failed(e),
-            }
-        }
-    };
-    let verb = match op {
-        Op::One(v, _) | Op::Selected(v) | Op::All(v) => v,
-    };
-    let mut lines = Vec::new();
-    for id in ids {
-        let line = if verb == "requeue" {
-            match operate::requeue_job(&admin.pool, id).await {
-                Ok(r) => format!(
-                    "job {id}: {}",
-                    serde_json::to_value(r)
-                        .map(|v| v.as_str().unwrap_or("").to_owned())
-                        .unwrap_or_default()
-                ),
-                Err(e) => return failed(e),
-            }
-        } else {
-            match operate::discard_job(&admin.pool, id).await {
-                Ok(true) => format!("job {id}: discarded"),
-                Ok(false) => format!("job {id}: not dead, left as it is"),
-                Err(e) => return failed(e),
-            }
-        };
-        lines.push(line);
-    }
-    let base = base(&original, &uri);
-    let back = format!("{base}/jobs");
-    result_page(&admin, &headers, base, "Dead jobs", &back, &lines)
-}
-
-pub(super) async fn events_action(
-    State(admin): State<Admin>,
-    OriginalUri(original): OriginalUri,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let Some(form) = action_form(&admin, &headers, &body) else {
-        return bad_token();
-    };
-    let Some(op) = op(&form) else {
-        return refuse(StatusCode::BAD_REQUEST, "No such action.");
-    };
-    let limit = admin.config.page_size;
-    let key = form.text("key");
-    let key = Some(key.as_str()).filter(|k| !k.is_empty());
-    let ids: Vec<String> = match &op {
-        Op::One(_, id) => vec![id.clone()],
-        Op::Selected(_) => form
-            .all("id")
-            .map(str::to_owned)
-            .take(usize::try_from(limit).unwrap_or(50))
-            .collect(),
-        Op::All(_) => {
-            let n = form.number("limit").unwrap_or(limit).clamp(1, limit);
-            match operate::dead_events(
-                &admin.pool,
-                key,
-                Page {
-                    limit: n,
-                    offset: 0,
-                },
-            )
-            .await
-            {
-                Ok(rows) => rows.into_iter().map(|r| r.id).collect(),
-                Err(e) => return failed(e),
-            }
-        }
-    };
-    let verb = match op {
-        Op::One(v, _) | Op::Selected(v) | Op::All(v) => v,
-    };
-    let mut lines = Vec::new();
-    for id in ids {
-        let done = if verb == "requeue" {
-            operate::requeue_event(&admin.pool, &id).await
-        } else {
-            operate::discard_event(&admin.pool, &id).await
-        };
-        lines.push(match done {
-            Ok(true) => format!("event {id}: {verb}d"),
-            Ok(false) => format!("event {id}: not dead, left as it is"),
-            Err(OperateError::Invalid(why)) => why,
-            Err(e) => return failed(e),
-        });
-    }
-    let base = base(&original, &uri);
-    let back = format!("{base}/events");
-    result_page(&admin, &headers, base, "Dead events", &back, &lines)
 }

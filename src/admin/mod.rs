@@ -39,20 +39,30 @@
 //!    sees the request's head; `false` → 403.
 //! 3. **Read-only**: without [`AdminConfig::actions`] no action is offered
 //!    and every POST gets 403.
-//! 4. **CSRF**: an action is a POST whose form carries the token the page
+//! 4. **Origin**: a POST whose `Sec-Fetch-Site` is not `same-origin`, or
+//!    whose `Origin` does not name the request's own `Host` (host and
+//!    port), gets 403: another port of the same host is the same *site*,
+//!    which `SameSite` lets through.
+//! 5. **CSRF**: an action is a POST whose form carries the token the page
 //!    set in a `SameSite=Strict`, `HttpOnly` cookie; the token is signed
 //!    with a secret drawn for each router. A missing, different or forged
-//!    token gets 403 and changes nothing.
+//!    token, or more than one such cookie (one planted by a page on
+//!    another port), gets 403 and changes nothing.
+//!
+//! A filter holding a NUL byte is answered 400; a database without idem's
+//! migrations, 503 saying to run `idem migrate`.
 //!
 //! Payloads of dead jobs and stored responses are shown only with
 //! [`AdminConfig::show_payloads`] (their size otherwise). Every list is one
 //! page (at most [`AdminConfig::page_size`] rows, at most
 //! [`MAX_PAGE_SIZE`]), and a bulk action touches at most that many rows.
 
+mod actions;
 mod config;
 mod csrf;
 mod handlers;
 mod pages;
+mod request;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -91,13 +101,22 @@ where
     Router::new()
         .route("/", get(handlers::overview))
         .route("/jobs", get(handlers::jobs))
-        .route("/jobs/action", post(handlers::jobs_action))
+        .route("/jobs/action", post(actions::jobs_action))
         .route("/events", get(handlers::events))
-        .route("/events/action", post(handlers::events_action))
+        .route("/events/action", post(actions::events_action))
         .route("/inbox", get(handlers::inbox))
         .route("/key", get(handlers::key))
         .layer(middleware::from_fn_with_state(admin.clone(), guard))
         .with_state(admin)
+}
+
+/// A refusal not yet rendered: its status and why ([`refuse`] renders it).
+struct Refusal(StatusCode, String);
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        refuse(self.0, &self.1)
+    }
 }
 
 /// A refusal, as a small page.

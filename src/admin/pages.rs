@@ -204,12 +204,16 @@ pub(crate) fn pager(url: &str, offset: i64, limit: i64, shown: usize) -> String 
             esc(url)
         );
     }
-    let _ = write!(
-        s,
-        "<span class=\"note\">rows {}–{}</span>",
-        if shown == 0 { offset } else { offset + 1 },
-        offset + shown as i64
-    );
+    if shown == 0 {
+        s.push_str("<span class=\"note\">no rows</span>");
+    } else {
+        let _ = write!(
+            s,
+            "<span class=\"note\">rows {}–{}</span>",
+            offset + 1,
+            offset + shown as i64
+        );
+    }
     if shown as i64 >= limit {
         let _ = write!(
             s,
@@ -513,6 +517,20 @@ mod tests {
             "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
         );
         assert_eq!(query_value("a b&c"), "a%20b%26c");
+    }
+
+    #[test]
+    fn the_pager_says_which_rows_or_none() {
+        assert!(pager("/admin/jobs", 0, 50, 3).contains("rows 1–3"));
+        assert!(pager("/admin/jobs", 50, 50, 50).contains("rows 51–100"));
+        for offset in [0, 1, 50] {
+            let empty = pager("/admin/jobs", offset, 50, 0);
+            assert!(empty.contains("no rows"), "{empty}");
+            assert!(
+                !empty.contains("rows 1–1") && !empty.contains("next"),
+                "{empty}"
+            );
+        }
     }
 
     #[test]

@@ -1,51 +1,6 @@
-//! The test's clients: a minimal HTTP/1.1 client, and WebDriver over it.
+//! WebDriver over the minimal HTTP/1.1 client of `raw_http.rs`.
 
 use super::*;
-
-// ---- a minimal HTTP/1.1 client (one connection per request) ----
-
-pub(super) struct Reply {
-    pub(super) status: u16,
-    pub(super) body: String,
-}
-
-pub(super) async fn http(
-    addr: SocketAddr,
-    method: Method,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> Reply {
-    let stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    tokio::spawn(connection);
-    let mut request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string());
-    for (name, value) in headers {
-        request = request.header(*name, *value);
-    }
-    let request = request
-        .body(Full::new(Bytes::from(body.to_owned())))
-        .expect("request");
-    let response = sender.send_request(request).await.expect("a response");
-    let status = response.status().as_u16();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    Reply {
-        status,
-        body: String::from_utf8_lossy(&body).into_owned(),
-    }
-}
 
 // ---- WebDriver over that client ----
 

@@ -1,0 +1,251 @@
+//! `idem::admin` over plain HTTP against what a hostile pass tried: a CSRF
+//! cookie planted from another port of the same host, cross-origin POSTs,
+//! NUL bytes in filters, an unmigrated database, a scope that is not JSON,
+//! an empty page past the end. The router is served on a loopback port and
+//! asked with a bare HTTP/1.1 client; what changed is counted in the
+//! database.
+
+use std::net::SocketAddr;
+
+use hyper::Method;
+use idem::admin::{self, AdminConfig};
+use idem::pool::build_pool;
+use idem_testing::TestDatabase;
+use tokio_postgres::Client;
+
+#[path = "admin_browser/raw_http.rs"]
+mod raw_http;
+use raw_http::http;
+
+/// The admin router with actions on, at `/admin` on a loopback port.
+async fn serve(db: &TestDatabase) -> SocketAddr {
+    let pool = build_pool(db.url()).expect("pool");
+    let app: axum::Router = axum::Router::new().nest(
+        "/admin",
+        admin::router(pool, AdminConfig::new().actions(true)),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+    });
+    addr
+}
+
+async fn migrated() -> (TestDatabase, Client) {
+    let db = TestDatabase::create().await.expect("a database");
+    let pool = build_pool(db.url()).expect("pool");
+    let mut conn = pool.get().await.expect("conn");
+    idem::migrate(&mut conn).await.expect("migrated");
+    let client = idem_testing::connect(db.url()).await.expect("connect");
+    (db, client)
+}
+
+async fn dead_job(client: &Client, kind: &str) -> i64 {
+    client
+        .query_one(
+            "INSERT INTO idem_jobs (kind, key, payload, state, last_error, failed_at)
+             VALUES ($1, 'k', '{}', 'dead', 'the bank said no', now()) RETURNING id",
+            &[&kind],
+        )
+        .await
+        .expect("a dead job")
+        .get(0)
+}
+
+async fn dead_jobs(client: &Client) -> i64 {
+    client
+        .query_one("SELECT count(*) FROM idem_jobs WHERE state = 'dead'", &[])
+        .await
+        .expect("counted")
+        .get(0)
+}
+
+/// The token a page set: `idem_admin_csrf=<token>`.
+async fn token(addr: SocketAddr) -> String {
+    let page = http(addr, Method::GET, "/admin/jobs", &[], "").await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    let cookie = page.set_cookie.expect("a CSRF cookie");
+    let pair = cookie.split(';').next().expect("name=value");
+    pair.strip_prefix("idem_admin_csrf=")
+        .expect("the cookie")
+        .to_owned()
+}
+
+const FORM: &str = "application/x-www-form-urlencoded";
+
+#[tokio::test]
+async fn a_csrf_cookie_planted_from_another_port_does_not_pass() {
+    let (db, client) = migrated().await;
+    let addr = serve(&db).await;
+    let id = dead_job(&client, "refund").await;
+    // The attacker's page (another port of 127.0.0.1) fetched a token of
+    // its own; the victim's browser holds another.
+    let attackers = token(addr).await;
+    let victims = token(addr).await;
+    assert_ne!(attackers, victims);
+    let form = format!("csrf={attackers}&op=requeue:{id}");
+    let own = format!("http://{addr}");
+    let other = format!("http://127.0.0.1:{}", addr.port() + 1);
+    let planted_first = format!("idem_admin_csrf={attackers}; idem_admin_csrf={victims}");
+    let planted_last = format!("idem_admin_csrf={victims}; idem_admin_csrf={attackers}");
+    let replaced = format!("idem_admin_csrf={attackers}");
+    let by_name = format!("http://localhost:{}", addr.port());
+    let refused: Vec<Vec<(&str, &str)>> = vec![
+        // Two cookies of that name (the planted one, more specific, first):
+        // even from the page's own origin.
+        vec![("cookie", &planted_first)],
+        vec![("cookie", &planted_last)],
+        vec![
+            ("cookie", &planted_first),
+            ("origin", &own),
+            ("sec-fetch-site", "same-origin"),
+        ],
+        // One cookie (the planted one replaced the victim's), posted from
+        // the other port: same site, not same origin.
+        vec![
+            ("cookie", &replaced),
+            ("origin", &other),
+            ("sec-fetch-site", "same-site"),
+        ],
+        vec![("cookie", &replaced), ("origin", &other)],
+        vec![("cookie", &replaced), ("sec-fetch-site", "same-site")],
+        vec![("cookie", &replaced), ("sec-fetch-site", "cross-site")],
+        vec![("cookie", &replaced), ("origin", "null")],
+        vec![("cookie", &replaced), ("origin", &by_name)],
+    ];
+    for headers in &refused {
+        let mut with_type = headers.clone();
+        with_type.push(("content-type", FORM));
+        let reply = http(addr, Method::POST, "/admin/jobs/action", &with_type, &form).await;
+        assert_eq!(reply.status, 403, "{headers:?}: {}", reply.body);
+        assert!(reply.body.contains("Nothing was changed"), "{}", reply.body);
+        assert_eq!(dead_jobs(&client).await, 1, "{headers:?}: still dead");
+    }
+    // The page's own POST: one cookie, its own origin.
+    let reply = http(
+        addr,
+        Method::POST,
+        "/admin/jobs/action",
+        &[
+            ("cookie", &replaced),
+            ("origin", &own),
+            ("sec-fetch-site", "same-origin"),
+            ("content-type", FORM),
+        ],
+        &form,
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(
+        reply.body.contains(&format!("job {id}: due")),
+        "{}",
+        reply.body
+    );
+    assert_eq!(dead_jobs(&client).await, 0);
+}
+
+#[tokio::test]
+async fn nul_bytes_in_filters_are_refused_with_400() {
+    let (db, client) = migrated().await;
+    let addr = serve(&db).await;
+    dead_job(&client, "refund").await;
+    for path in [
+        "/admin/jobs?kind=%00",
+        "/admin/jobs?kind=a%00b&offset=0",
+        "/admin/events?key=%00",
+        "/admin/inbox?consumer=%00",
+        "/admin/key?key=%00",
+        "/admin/key?scope=%22%00%22&key=k",
+    ] {
+        let reply = http(addr, Method::GET, path, &[], "").await;
+        assert_eq!(reply.status, 400, "{path}: {}", reply.body);
+        assert!(reply.body.contains("NUL"), "{path}: {}", reply.body);
+        assert!(!reply.body.contains("database error"), "{}", reply.body);
+    }
+    // An action whose filter holds one: refused, nothing requeued.
+    let csrf = token(addr).await;
+    let cookie = format!("idem_admin_csrf={csrf}");
+    let reply = http(
+        addr,
+        Method::POST,
+        "/admin/jobs/action",
+        &[("cookie", &cookie), ("content-type", FORM)],
+        &format!("csrf={csrf}&op=requeue_all&kind=%00"),
+    )
+    .await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert_eq!(dead_jobs(&client).await, 1);
+}
+
+#[tokio::test]
+async fn an_unmigrated_database_says_to_run_idem_migrate() {
+    let db = TestDatabase::create().await.expect("a database");
+    let addr = serve(&db).await;
+    for path in [
+        "/admin",
+        "/admin/jobs",
+        "/admin/events",
+        "/admin/inbox",
+        "/admin/inbox?consumer=c",
+        "/admin/key?key=k",
+    ] {
+        let reply = http(addr, Method::GET, path, &[], "").await;
+        assert_eq!(reply.status, 503, "{path}: {}", reply.body);
+        assert!(
+            reply.body.contains("migrations") && reply.body.contains("idem migrate"),
+            "{path}: {}",
+            reply.body
+        );
+        assert!(!reply.body.contains("does not exist"), "{}", reply.body);
+    }
+}
+
+#[tokio::test]
+async fn a_scope_that_is_not_json_is_refused() {
+    let (db, client) = migrated().await;
+    let addr = serve(&db).await;
+    // A record under the JSON string "acme": `scope=acme` used to find it.
+    let scope = idem::idempotency::scope_hash("acme").expect("scope");
+    client
+        .execute(
+            "INSERT INTO idem_requests (scope, key, operation, fingerprint, mode, state,
+                                        expires_at)
+             VALUES ($1, 'k', 'pay', decode(repeat('00', 32), 'hex'), 'local', 'unknown',
+                     now() + interval '1 day')",
+            &[&scope],
+        )
+        .await
+        .expect("a record");
+    let reply = http(addr, Method::GET, "/admin/key?scope=acme&key=k", &[], "").await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(reply.body.contains("not JSON"), "{}", reply.body);
+    assert!(!reply.body.contains("id=\"record\""), "{}", reply.body);
+    // Quoted, it is found.
+    let reply = http(
+        addr,
+        Method::GET,
+        "/admin/key?scope=%22acme%22&key=k",
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply.body.contains("id=\"record\""), "{}", reply.body);
+}
+
+#[tokio::test]
+async fn an_empty_page_past_the_end_says_no_rows() {
+    let (db, _client) = migrated().await;
+    let addr = serve(&db).await;
+    let reply = http(addr, Method::GET, "/admin/jobs?offset=1", &[], "").await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply.body.contains("no rows"), "{}", reply.body);
+    assert!(!reply.body.contains("rows 1–1"), "{}", reply.body);
+}
