@@ -2,12 +2,17 @@
 
 use std::time::Duration;
 
-/// `[--iterations N] [--warmup N] [--concurrency N]` (also `--name=N`).
+/// `[--iterations N] [--warmup N] [--concurrency N] [--shuffle]` (also
+/// `--name=N`).
 pub struct Args {
     pub iterations: usize,
     pub warmup: usize,
     /// Callers at once (benchmarks that run several; the others refuse it).
     pub concurrency: usize,
+    /// Each iteration's contenders in a random order rather than a rotating
+    /// cycle (bench_idempotent; the others ignore it).
+    #[allow(dead_code)]
+    pub shuffle: bool,
 }
 
 pub fn parse_args() -> Args {
@@ -15,9 +20,14 @@ pub fn parse_args() -> Args {
         iterations: 2000,
         warmup: 200,
         concurrency: 1,
+        shuffle: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
+        if arg == "--shuffle" {
+            args.shuffle = true;
+            continue;
+        }
         let (name, inline) = match arg.split_once('=') {
             Some((name, value)) => (name.to_owned(), Some(value.to_owned())),
             None => (arg, None),
@@ -27,7 +37,7 @@ pub fn parse_args() -> Args {
             "--warmup" => &mut args.warmup,
             "--concurrency" => &mut args.concurrency,
             other => panic!(
-                "unknown argument {other:?}; usage: [--iterations N] [--warmup N] [--concurrency N]"
+                "unknown argument {other:?}; usage: [--iterations N] [--warmup N] [--concurrency N] [--shuffle]"
             ),
         };
         let value = inline.or_else(|| it.next());
