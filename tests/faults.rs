@@ -90,7 +90,7 @@ impl Env {
     async fn record(&self, key: &str) -> Option<(String, Option<String>)> {
         self.client
             .query_opt(
-                "SELECT state, outcome FROM idem_requests WHERE key = $1",
+                "SELECT state::text, outcome::text FROM idem_requests WHERE key = $1",
                 &[&key],
             )
             .await

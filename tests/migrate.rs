@@ -6,6 +6,9 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::migrate::{migrate, migrations, MigrateError};
 
+#[path = "migrate/previous_layout.rs"]
+mod previous_layout;
+
 #[derive(QueryableByName, Debug, PartialEq)]
 struct Row {
     #[diesel(sql_type = Integer)]

@@ -120,6 +120,17 @@ pub enum Error {
     /// type changed since it was stored).
     #[error("the stored response for this key cannot be read back: {0}")]
     UnreadableResponse(serde_json::Error),
+    /// The key's record says something idem cannot read as any answer: a
+    /// completed record without an outcome or a response, or a state idem
+    /// does not know (written by hand; idem's own writes never make one).
+    /// Nothing is replayed and the body does not run: the key stays held
+    /// until someone repairs or deletes the record by hand (`idem key show`
+    /// shows it) or, for a completed one, its retention ends (500).
+    #[error("the idempotency record of this key is malformed ({reason}): not replayed, and the request not run")]
+    MalformedRecord {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// The response cannot be stored under the key (too large, a NUL
     /// character, nested too deep), so it could not be replayed: nothing was
     /// committed and the key stays free (422). A *final* error that cannot be

@@ -53,6 +53,7 @@
 //! | 12 | `cache_secret` | the table `idem_cache_secret`: the random secret the Redis replay cache seals its entries with (with the database's life), so that an entry written by someone who can only write to Redis, or left from before a restore, is refused |
 //! | 13 | `transitions_bound` | the columns `idem_transitions.table_oid` (the table as the transition's statement resolved it) and `row_xid` (the id of the (sub)transaction that wrote the row version), the key `(table_oid, identity)`; `table_name` becomes null for new records (kept, and unique, for an earlier build's): a record is bound to its table and to the very write it made, see [`Transitioned`](crate::versioned::Transitioned) |
 //! | 14 | `standby_holds` | the function `idem_standby_holds(target)`, which waits until every synchronous standby has flushed WAL up to `target`: with [`Replication::Synchronous`](crate::pool::Replication::Synchronous), a replay and a publish wait for it |
+//! | 15 | `idem_requests_lean` | the enum types `idem_request_mode`, `idem_request_state` and `idem_request_outcome` (with assignment casts from `text`) for those columns of `idem_requests`, whose seven `CHECK` constraints it drops (their per-statement set-up was most of the record's cost); existing records are converted |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -201,6 +202,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 14,
         name: "standby_holds",
         sql: include_str!("../migrations/0014_standby_holds.sql"),
+    },
+    Migration {
+        version: 15,
+        name: "idem_requests_lean",
+        sql: include_str!("../migrations/0015_idem_requests_lean.sql"),
     },
 ];
 

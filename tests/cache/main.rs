@@ -213,7 +213,10 @@ impl Env {
 
     async fn state(&self, key: &str) -> Option<String> {
         self.client
-            .query_opt("SELECT state FROM idem_requests WHERE key = $1", &[&key])
+            .query_opt(
+                "SELECT state::text FROM idem_requests WHERE key = $1",
+                &[&key],
+            )
             .await
             .unwrap()
             .map(|r| r.get(0))

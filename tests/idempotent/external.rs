@@ -128,7 +128,7 @@ async fn external_claims_commit_before_the_body_and_duplicates_wait_or_are_told(
     let row = env
         .client
         .query_one(
-            "SELECT state, mode, lease_until > now() FROM idem_requests WHERE key = 'x-1'",
+            "SELECT state::text, mode::text, lease_until > now() FROM idem_requests WHERE key = 'x-1'",
             &[],
         )
         .await

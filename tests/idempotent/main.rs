@@ -26,6 +26,7 @@ mod external;
 mod held_commit;
 mod hostile;
 mod local;
+mod malformed;
 mod one_write;
 mod retention;
 mod stacking;
@@ -168,7 +169,7 @@ impl Env {
     async fn record(&self, key: &str) -> Option<(String, Option<String>, Option<String>)> {
         self.client
             .query_opt(
-                "SELECT state, outcome, response::text FROM idem_requests WHERE key = $1",
+                "SELECT state::text, outcome::text, response::text FROM idem_requests WHERE key = $1",
                 &[&key],
             )
             .await

@@ -174,7 +174,7 @@ pub struct Reaped {
 }
 
 const STALE_OR_UNKNOWN: &str = r#"
-    SELECT coalesce(scope_label, scope) AS scope, key, operation, state,
+    SELECT coalesce(scope_label, scope) AS scope, key, operation, state::text AS state,
            to_char(updated_at, 'YYYY-MM-DD"T"HH24:MI:SSOF') AS since
       FROM idem_requests
      -- The label is the readable scope (kept for short ones, as these are).

@@ -12,7 +12,7 @@ use futures_util::{FutureExt, TryFutureExt};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::store::{self, Claim, ClaimOrRead, Complete, Identity, Lock, Read};
+use super::store::{Claim, ClaimOrRead, Complete, Identity, Lock, Outcome, Read, State};
 use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode, MAX_STORED_DEPTH,
 };
@@ -53,9 +53,9 @@ pub(crate) enum Found {
     New,
     /// This request's own claim (external mode, its answer was lost).
     Mine,
-    /// A completed record: its outcome (`ok` / `error`), response, and
-    /// what is left of its retention in ms.
-    Replay(Option<String>, Option<serde_json::Value>, i64),
+    /// A completed record: its outcome, response, and what is left of its
+    /// retention in ms.
+    Replay(Outcome, serde_json::Value, i64),
     /// The answer is a refusal.
     Refused(Error),
 }
@@ -191,7 +191,7 @@ impl Request {
     /// write), sent with `COMMIT`. See [`Completing`].
     pub(crate) fn complete<'a>(
         &'a self,
-        outcome: &'a str,
+        outcome: Outcome,
         response: &'a serde_json::Value,
         takeover: bool,
         returning: bool,
@@ -225,7 +225,8 @@ impl Request {
 
     /// What an existing record means for this request.
     pub(crate) fn judge(&self, stored: Stored) -> Found {
-        if stored.state == store::COMPLETED && stored.expired {
+        let state = State::parse(&stored.state);
+        if state == Some(State::Completed) && stored.expired {
             return Found::New;
         }
         // Compare the request before anything else: a different request must
@@ -234,14 +235,33 @@ impl Request {
             return Found::Refused(Error::FingerprintMismatch);
         }
         let mine = self.owner().is_some() && stored.owner.as_deref() == self.owner();
-        match stored.state.as_str() {
-            store::COMPLETED => Found::Replay(stored.outcome, stored.response, stored.remaining_ms),
-            store::IN_PROGRESS if mine => Found::Mine,
-            store::IN_PROGRESS if stored.lease_expired != Some(true) => {
+        match state {
+            Some(State::Completed) => {
+                match (
+                    stored.outcome.as_deref().and_then(Outcome::parse),
+                    stored.response,
+                ) {
+                    (Some(outcome), Some(response)) => {
+                        Found::Replay(outcome, response, stored.remaining_ms)
+                    }
+                    // Never a replay of what the record does not say.
+                    (None, _) => Found::Refused(Error::MalformedRecord {
+                        reason: "completed without an outcome of ok or error",
+                    }),
+                    (Some(_), None) => Found::Refused(Error::MalformedRecord {
+                        reason: "completed without a response",
+                    }),
+                }
+            }
+            Some(State::InProgress) if mine => Found::Mine,
+            Some(State::InProgress) if stored.lease_expired != Some(true) => {
                 Found::Refused(Error::InProgress)
             }
             // Unknown, or in progress past its lease: never an automatic re-run.
-            _ => Found::Refused(Error::OutcomeUnknown),
+            Some(State::InProgress | State::Unknown) => Found::Refused(Error::OutcomeUnknown),
+            None => Found::Refused(Error::MalformedRecord {
+                reason: "a state other than in_progress, completed or unknown",
+            }),
         }
     }
 
@@ -299,7 +319,7 @@ impl Pipelined for LockAndRead<'_> {
 /// as stored (for a replay cache).
 pub(crate) struct Completing<'a> {
     request: &'a Request,
-    outcome: &'a str,
+    outcome: Outcome,
     response: &'a serde_json::Value,
     /// The read found an expired record to take over (see [`Complete`]).
     takeover: bool,

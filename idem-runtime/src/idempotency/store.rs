@@ -11,34 +11,61 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{BigInt, Binary, Bool, Jsonb, Nullable, Text};
 use diesel::QueryResult;
 
-diesel::table! {
-    /// One row per (scope, key): see the `idem_requests` migration for every column.
-    idem_requests (scope, key) {
-        scope -> Text,
-        scope_label -> Nullable<Text>,
-        key -> Text,
-        operation -> Text,
-        fingerprint -> Bytea,
-        mode -> Text,
-        state -> Text,
-        outcome -> Nullable<Text>,
-        response -> Nullable<Jsonb>,
-        created_at -> Timestamptz,
-        updated_at -> Timestamptz,
-        expires_at -> Timestamptz,
-        lease_until -> Nullable<Timestamptz>,
-    }
-}
-
 /// What is left of a record's retention, in whole milliseconds (negative
 /// once expired), as the database's clock sees it: a replay cache keeps an
 /// entry no longer than this, so it never outlives the record it copies.
 const REMAINING_MS: &str = "(extract(epoch FROM expires_at - now()) * 1000)::int8";
 
-pub(crate) const IN_PROGRESS: &str = "in_progress";
-pub(crate) const COMPLETED: &str = "completed";
-pub(crate) const OK: &str = "ok";
-pub(crate) const ERROR: &str = "error";
+/// A record's `state` (the enum `idem_request_state`, migration 15).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum State {
+    /// An external claim held.
+    InProgress,
+    /// The response stored.
+    Completed,
+    /// An outside call may have happened.
+    Unknown,
+}
+
+impl State {
+    /// The state named by `label`, as the record's `state::text` reads.
+    pub(crate) fn parse(label: &str) -> Option<State> {
+        match label {
+            "in_progress" => Some(State::InProgress),
+            "completed" => Some(State::Completed),
+            "unknown" => Some(State::Unknown),
+            _ => None,
+        }
+    }
+}
+
+/// A completed record's `outcome` (the enum `idem_request_outcome`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The response is the function's return value.
+    Ok,
+    /// The response is a final error.
+    Error,
+}
+
+impl Outcome {
+    /// Its label in the database.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Error => "error",
+        }
+    }
+
+    /// The outcome named by `label`, as the record's `outcome::text` reads.
+    pub(crate) fn parse(label: &str) -> Option<Outcome> {
+        match label {
+            "ok" => Some(Outcome::Ok),
+            "error" => Some(Outcome::Error),
+            _ => None,
+        }
+    }
+}
 
 /// What names a record and the request it was made for: the first columns
 /// of both inserts ([`Claim`], [`Complete`]), bound in one place.
@@ -97,7 +124,7 @@ impl Claim<'_> {
         self.identity.push_values(&mut out)?;
         out.push_sql(", ");
         out.push_bind_param::<Text, _>(self.mode)?;
-        out.push_sql(", 'in_progress', ");
+        out.push_sql("::idem_request_mode, 'in_progress', ");
         out.push_bind_param::<Nullable<Binary>, _>(&self.owner)?;
         out.push_sql(", now() + ");
         out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
@@ -127,8 +154,8 @@ pub(crate) struct ClaimOrRead<'a>(pub(crate) Claim<'a>);
 impl QueryFragment<Pg> for ClaimOrRead<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
-            "WITH seen AS (SELECT operation, fingerprint, state, outcome, response, \
-             lease_until < now() AS lease_expired, expires_at <= now() AS expired, owner, ",
+            "WITH seen AS (SELECT operation, fingerprint, state::text AS state, \
+             outcome::text AS outcome, response, lease_until < now() AS lease_expired, expires_at <= now() AS expired, owner, ",
         );
         out.push_sql(REMAINING_MS);
         out.push_sql(" AS remaining_ms FROM idem_requests WHERE scope = ");
@@ -165,7 +192,7 @@ impl Query for ClaimOrRead<'_> {
 pub(crate) struct Record<'a> {
     pub(crate) scope: &'a str,
     pub(crate) key: &'a str,
-    pub(crate) outcome: &'a str,
+    pub(crate) outcome: Outcome,
     pub(crate) response: &'a serde_json::Value,
     /// External mode: only the owner's own claim is completed.
     pub(crate) owner: Option<&'a [u8]>,
@@ -176,8 +203,8 @@ pub(crate) struct Record<'a> {
 impl QueryFragment<Pg> for Record<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql("UPDATE idem_requests SET state = 'completed', outcome = ");
-        out.push_bind_param::<Text, _>(self.outcome)?;
-        out.push_sql(", response = ");
+        out.push_bind_param::<Text, _>(self.outcome.as_str())?;
+        out.push_sql("::idem_request_outcome, response = ");
         out.push_bind_param::<Jsonb, _>(self.response)?;
         out.push_sql(", updated_at = now(), lease_until = NULL WHERE scope = ");
         out.push_bind_param::<Text, _>(self.scope)?;
@@ -201,7 +228,7 @@ impl QueryFragment<Pg> for Record<'_> {
 /// replayed, and its read finds the record.
 pub(crate) struct Complete<'a> {
     pub(crate) identity: Identity<'a>,
-    pub(crate) outcome: &'a str,
+    pub(crate) outcome: Outcome,
     pub(crate) response: &'a serde_json::Value,
     pub(crate) ttl_micros: i64,
     /// The read found an expired record of the key, to take over. Otherwise
@@ -219,8 +246,8 @@ impl QueryFragment<Pg> for Complete<'_> {
         out.push_sql(", mode, state, outcome, response, expires_at) VALUES (");
         self.identity.push_values(&mut out)?;
         out.push_sql(", 'local', 'completed', ");
-        out.push_bind_param::<Text, _>(self.outcome)?;
-        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(self.outcome.as_str())?;
+        out.push_sql("::idem_request_outcome, ");
         out.push_bind_param::<Jsonb, _>(self.response)?;
         out.push_sql(", now() + ");
         out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
@@ -235,7 +262,7 @@ impl QueryFragment<Pg> for Complete<'_> {
              owner = NULL, outcome = excluded.outcome, response = excluded.response, \
              created_at = now(), updated_at = now(), expires_at = excluded.expires_at, \
              lease_until = NULL, state = CASE WHEN r.state = 'completed' AND r.expires_at <= now() \
-             THEN 'completed' ELSE idem_record_taken() END",
+             THEN 'completed' ELSE idem_record_taken()::idem_request_state END",
         );
         push_returning(self.returning, out)
     }
@@ -309,8 +336,8 @@ pub(crate) struct Read<'a> {
 impl QueryFragment<Pg> for Read<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
-            "SELECT operation, fingerprint, state, outcome, response, lease_until < now(), \
-             expires_at <= now(), owner, ",
+            "SELECT operation, fingerprint, state::text, outcome::text, response, \
+             lease_until < now(), expires_at <= now(), owner, ",
         );
         out.push_sql(REMAINING_MS);
         out.push_sql(" FROM idem_requests WHERE scope = ");

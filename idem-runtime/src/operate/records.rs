@@ -138,7 +138,7 @@ pub async fn show_key<S: Serialize + ?Sized>(
     let mut conn = pool.get().await?;
     let rows: Vec<Row> = diesel::sql_query(
         "SELECT scope, scope_label, key, operation, encode(fingerprint, 'hex') AS fingerprint,
-                mode, state, outcome, response,
+                mode::text AS mode, state::text AS state, outcome::text AS outcome, response,
                 extract(epoch FROM now() - created_at)::float8 AS age,
                 extract(epoch FROM expires_at - now())::float8 AS expires_in,
                 extract(epoch FROM lease_until - now())::float8 AS lease_left,

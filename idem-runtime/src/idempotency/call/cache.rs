@@ -4,7 +4,7 @@
 use serde::de::DeserializeOwned;
 
 use super::{replay, Call};
-use crate::idempotency::store;
+use crate::idempotency::store::Outcome;
 use crate::idempotency::{Idempotent, IdempotentError};
 use crate::pool::Pool;
 
@@ -39,11 +39,15 @@ impl<E> Call<E> {
             cache.mismatch();
             return None;
         }
-        let outcome = if entry.error { store::ERROR } else { store::OK };
+        let outcome = if entry.error {
+            Outcome::Error
+        } else {
+            Outcome::Ok
+        };
         // The same reading as a replay from the database, of the same JSON.
         let read = serde_json::from_slice(&entry.response)
             .ok()
-            .and_then(|response| replay::<V, E>(Some(outcome), Some(response)).ok());
+            .and_then(|response| replay::<V, E>(outcome, response).ok());
         let Some(read) = read else {
             cache.unreadable();
             return None;

@@ -28,7 +28,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::request::{Claimed, Found, Request};
-use super::store::{self, Record};
+use super::store::{self, Outcome, Record};
 use super::{Idempotent, IdempotentError};
 use crate::error::Error;
 use crate::pool::Pool;
@@ -182,7 +182,7 @@ impl<E> Call<E> {
             return match &self.pending_final {
                 // The final error, stored without the body's writes.
                 Some((_, stored)) => {
-                    let written = self.complete(attempt, store::ERROR, stored).await;
+                    let written = self.complete(attempt, Outcome::Error, stored).await;
                     Some(written.map(|(step, kept)| {
                         self.completed = kept;
                         match step {
@@ -221,7 +221,7 @@ impl<E> Call<E> {
         };
         if let Some((_, stored)) = &self.pending_final {
             // External: the claim is this call's.
-            let written = self.record(conn, store::ERROR, stored).await;
+            let written = self.record(conn, Outcome::Error, stored).await;
             return Some(written.map(|kept| {
                 self.completed = kept;
                 Step::Commit(Reply::FinalStored)
@@ -277,15 +277,14 @@ impl<E> Call<E> {
     {
         match found {
             Found::Replay(outcome, response, remaining_ms) => {
-                if let (true, Some(stored)) = (self.caching(), &response) {
+                if self.caching() {
                     self.completed = Some(Completed {
-                        error: outcome.as_deref() == Some(store::ERROR),
-                        response: stored.clone(),
+                        error: outcome == Outcome::Error,
+                        response: response.clone(),
                         remaining: Duration::from_millis(remaining_ms.max(0) as u64),
                     });
                 }
-                replay::<V, E>(outcome.as_deref(), response)
-                    .map(|r| Step::Answer(Reply::Replayed(r)))
+                replay::<V, E>(outcome, response).map(|r| Step::Answer(Reply::Replayed(r)))
             }
             Found::Refused(Error::InProgress) if Instant::now() < self.wait_until => {
                 Ok(Step::Again(WAIT_POLL.min(self.wait_until - Instant::now())))
@@ -315,10 +314,10 @@ impl<E> Call<E> {
                     // External phase 3: the outcome's transaction, begun now
                     // if the body wrote nothing of its own.
                     let conn = attempt.open().await.map_err(E::from)?;
-                    self.completed = self.record(conn, store::OK, &response).await?;
+                    self.completed = self.record(conn, Outcome::Ok, &response).await?;
                     return Ok(Step::Commit(Reply::Fresh(value)));
                 }
-                let (step, kept) = self.complete(attempt, store::OK, &response).await?;
+                let (step, kept) = self.complete(attempt, Outcome::Ok, &response).await?;
                 self.completed = kept;
                 Ok(answer(step, Reply::Fresh(value)))
             }
@@ -348,7 +347,7 @@ impl<E> Call<E> {
     async fn complete(
         &self,
         attempt: &mut Attempt,
-        outcome: &str,
+        outcome: Outcome,
         response: &serde_json::Value,
     ) -> Result<(Step<()>, Option<Completed>), E>
     where
@@ -369,9 +368,9 @@ impl<E> Call<E> {
 
     /// The response a write returned as stored, for the cache, with the
     /// whole retention ahead of it.
-    fn kept(&self, outcome: &str, stored: Option<serde_json::Value>) -> Option<Completed> {
+    fn kept(&self, outcome: Outcome, stored: Option<serde_json::Value>) -> Option<Completed> {
         stored.map(|response| Completed {
-            error: outcome == store::ERROR,
+            error: outcome == Outcome::Error,
             response,
             remaining: self.request.config.ttl,
         })
@@ -381,7 +380,7 @@ impl<E> Call<E> {
     async fn record(
         &self,
         conn: &mut AsyncPgConnection,
-        outcome: &str,
+        outcome: Outcome,
         response: &serde_json::Value,
     ) -> Result<Option<Completed>, E>
     where
@@ -520,13 +519,12 @@ fn db<E: IdempotentError>(e: diesel::result::Error) -> E {
 }
 
 fn replay<V: DeserializeOwned, E: IdempotentError>(
-    outcome: Option<&str>,
-    response: Option<serde_json::Value>,
+    outcome: Outcome,
+    response: serde_json::Value,
 ) -> Result<Result<V, E::Final>, E> {
-    let response = response.unwrap_or(serde_json::Value::Null);
     let read = match outcome {
-        Some(store::ERROR) => serde_json::from_value::<E::Final>(response).map(Err),
-        _ => serde_json::from_value::<V>(response).map(Ok),
+        Outcome::Error => serde_json::from_value::<E::Final>(response).map(Err),
+        Outcome::Ok => serde_json::from_value::<V>(response).map(Ok),
     };
     read.map_err(|e| E::from(Error::UnreadableResponse(e)))
 }
