@@ -2,14 +2,17 @@
 # What the SQL of local mode costs on this machine, with no client library:
 # pgbench runs the bare handler and the idempotent variants interleaved in
 # one run (-M prepared; pipeline mode where idem pipelines), and this prints
-# each one's median latency and its ratio to the bare handler.
+# each one's median latency and its ratio to the bare handler. idem_local is
+# local mode as idem sends it today; record_0014 is record_only into the
+# record table as it was before migration 15 (layout_0014.sql).
 #
 #   examples/pgbench/run.sh [URL] [-c CLIENTS] [-T SECONDS]
 #
 # URL: a server to create a scratch database on (default
 # postgres://postgres@127.0.0.1:5432/postgres). The database gets idem's
-# migrations (the SQL files of idem-runtime/migrations) and the tables of
-# examples/bench_idempotent, and is dropped at the end.
+# migrations (the SQL files of idem-runtime/migrations), the tables of
+# examples/bench_idempotent and the earlier record table, and is dropped at
+# the end.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 url="postgres://postgres@127.0.0.1:5432/postgres"
@@ -35,7 +38,8 @@ for migration in "$here"/../../idem-runtime/migrations/*.sql; do
     psql -q -v ON_ERROR_STOP=1 "$scratch" -f "$migration" >/dev/null
 done
 psql -q -v ON_ERROR_STOP=1 "$scratch" -f "$here/schema.sql"
-names=(bare idem_pipelined record_only sequential)
+psql -q -v ON_ERROR_STOP=1 "$scratch" -f "$here/layout_0014.sql"
+names=(bare idem_pipelined record_only sequential idem_local record_0014)
 args=()
 for name in "${names[@]}"; do args+=(-f "$here/$name.sql@1"); done
 pgbench -M prepared -n -c "$clients" -j 1 -T "$seconds" -l --log-prefix="$work/log" "${args[@]}" "$scratch" >/dev/null
