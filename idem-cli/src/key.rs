@@ -1,7 +1,7 @@
 //! `idem key`: one idempotency record, shown or settled.
 
 use idem_runtime::idempotency::Settlement;
-use idem_runtime::operate;
+use idem_runtime::operate::{self, Forced};
 use idem_runtime::pool::Pool;
 use serde_json::json;
 
@@ -107,20 +107,51 @@ pub async fn settle(
         (Some(response), false) => Settlement::Completed(response.clone()),
         _ => Settlement::Released,
     };
-    let found = operate::settle(pool, &key.scope, &key.key, settlement).await?;
-    emit(
-        cli,
-        &json!({"key": key.key, "settled": found, "as": what}),
-        || {
-            if found {
-                format!("settled {:?}: {what}\n", key.key)
-            } else {
-                format!(
-                    "no record of {:?} left to settle (none, or already completed)\n",
-                    key.key
-                )
-            }
-        },
-    )?;
-    Ok(if found { 0 } else { 1 })
+    if force {
+        // Whatever the state: a completed record is corrected, too.
+        let forced = operate::settle_forced(pool, &key.scope, &key.key, settlement).await?;
+        let done = forced != Forced::NotFound;
+        let doc = json!({"key": key.key, "settled": done, "as": what,
+                         "overwritten": forced == Forced::Overwritten});
+        emit(cli, &doc, || match forced {
+            Forced::Settled => format!("settled {:?}: {what}\n", key.key),
+            Forced::Overwritten if released => format!(
+                "released {:?}: its completed record is deleted, the key is new again\n",
+                key.key
+            ),
+            Forced::Overwritten => format!(
+                "settled {:?}: completed, its stored response replaced\n",
+                key.key
+            ),
+            _ => format!("no record of {:?} to settle\n", key.key),
+        })?;
+        return Ok(if done { 0 } else { 1 });
+    }
+    if operate::settle(pool, &key.scope, &key.key, settlement).await? {
+        let doc = json!({"key": key.key, "settled": true, "as": what, "overwritten": false});
+        emit(cli, &doc, || format!("settled {:?}: {what}\n", key.key))?;
+        return Ok(0);
+    }
+    // Nothing settled: no record, or a completed one, which only --force
+    // changes.
+    let completed = operate::show_key(pool, &key.scope, &key.key)
+        .await?
+        .is_some_and(|rec| rec.state == "completed");
+    let mut doc = json!({"key": key.key, "settled": false, "as": what, "overwritten": false});
+    if completed {
+        let why = format!(
+            "the record of key {:?} is completed: duplicates get its stored response. --force replaces that response (with --completed) or deletes the record so the key is new again (with --released)",
+            key.key
+        );
+        if cli.json {
+            doc["refused"] = why.clone().into();
+            emit(cli, &doc, String::new)?;
+        }
+        eprintln!("idem: {}", clean(&why));
+        return Ok(1);
+    }
+    emit(cli, &doc, || {
+        format!("no record of {:?} to settle\n", key.key)
+    })?;
+    Ok(1)
 }

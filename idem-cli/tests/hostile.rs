@@ -5,6 +5,9 @@
 
 use std::process::{Command, Stdio};
 
+use diesel::sql_types::BigInt;
+use diesel_async::AsyncPgConnection;
+use idem::{idempotent, Pool};
 use idem_testing::TestDatabase;
 use tokio_postgres::Client;
 
@@ -49,7 +52,7 @@ async fn text_output_shows_control_characters_escaped() {
                                         state, expires_at)
              VALUES ($1, $2, $2, $2, decode(repeat('00', 32), 'hex'), 'local', 'unknown',
                      now() + interval '1 day')",
-            &[&scope, &NASTY],
+            &[&scope, &NASTY.to_owned()],
         )
         .await
         .expect("a record");
@@ -312,4 +315,124 @@ async fn exit_codes_agree_and_json_always_answers() {
         1,
         "the live claim is untouched"
     );
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ChargeError {
+    #[error(transparent)]
+    Db(#[from] diesel::result::Error),
+    #[error(transparent)]
+    Idem(#[from] idem::Error),
+}
+idem::final_errors!(ChargeError);
+
+/// A charge whose effect is a row of `charges`: its response is an `i64`.
+#[idempotent(key = key, scope = tenant, fingerprint(amount))]
+async fn charge(
+    conn: &mut AsyncPgConnection,
+    tenant: i64,
+    key: &str,
+    amount: i64,
+) -> Result<i64, ChargeError> {
+    use diesel_async::RunQueryDsl as _;
+    diesel::sql_query("INSERT INTO charges (amount) VALUES ($1)")
+        .bind::<BigInt, _>(amount)
+        .execute(conn)
+        .await?;
+    Ok(amount * 100)
+}
+
+/// A record's stored response and state, if there is one.
+async fn record(client: &Client, key: &str) -> Option<(String, String)> {
+    client
+        .query_opt(
+            "SELECT response::text, state::text FROM idem_requests WHERE key = $1",
+            &[&key],
+        )
+        .await
+        .expect("read")
+        .map(|row| (row.get(0), row.get(1)))
+}
+
+/// `idem [--json] key settle --scope 7 <key> <rest>`.
+fn settle_key(url: &str, key: &str, rest: &[&str], json: bool) -> (i32, String, String) {
+    let mut args = if json { vec!["--json"] } else { Vec::new() };
+    args.extend_from_slice(&["key", "settle", "--scope", "7", key]);
+    args.extend_from_slice(rest);
+    idem(url, &args)
+}
+
+/// A settled response that does not deserialize as the function's `T` can
+/// be corrected with `--force`, and `--released --force` makes the key new.
+#[tokio::test]
+async fn a_completed_record_is_corrected_or_released_with_force() {
+    let (db, client) = migrated().await;
+    let url = db.url();
+    client
+        .batch_execute("CREATE TABLE charges (amount bigint NOT NULL)")
+        .await
+        .expect("charges");
+    let pool: Pool = idem::pool::build_pool(url).expect("pool");
+    let charges = || count(&client, "SELECT count(*) FROM charges");
+
+    // The target did it, but the operator settles with a typo: the stored
+    // response is not an i64, and every replay fails.
+    assert_eq!(
+        charge(&pool, 7, "typo", 12).await.expect("charged").value,
+        1200
+    );
+    client
+        .execute(
+            "UPDATE idem_requests SET state = 'unknown', outcome = NULL, response = NULL
+             WHERE key = 'typo'",
+            &[],
+        )
+        .await
+        .expect("outcome unknown");
+    let (code, _, err) = settle_key(url, "typo", &["--completed", "\"1200\""], false);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        charge(&pool, 7, "typo", 12).await.is_err(),
+        "\"1200\" is no i64"
+    );
+    // Without --force a completed record is left alone, and says so.
+    let (code, out, err) = settle_key(url, "typo", &["--completed", "1200"], false);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(format!("{out}{err}").contains("--force"), "{out}{err}");
+    assert_eq!(record(&client, "typo").await.expect("kept").0, "\"1200\"");
+    // With --force its response is overwritten.
+    let (code, out, err) = settle_key(url, "typo", &["--completed", "1200", "--force"], true);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(json(&out)["overwritten"], true, "{out}");
+    assert_eq!(
+        record(&client, "typo").await,
+        Some(("1200".into(), "completed".into()))
+    );
+    assert_eq!(
+        charge(&pool, 7, "typo", 12).await.expect("replayed").value,
+        1200
+    );
+    assert_eq!(charges().await, 1, "replayed, not run again");
+
+    // --released --force deletes a completed record: the key is new again.
+    assert_eq!(
+        charge(&pool, 7, "again", 5).await.expect("charged").value,
+        500
+    );
+    assert_eq!(charges().await, 2);
+    let (code, _, _) = settle_key(url, "again", &["--released"], false);
+    assert_eq!(code, 1, "completed: not released without --force");
+    assert_eq!(
+        charge(&pool, 7, "again", 5).await.expect("replayed").value,
+        500
+    );
+    assert_eq!(charges().await, 2);
+    let (code, out, err) = settle_key(url, "again", &["--released", "--force"], false);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(record(&client, "again").await, None, "deleted");
+    assert_eq!(
+        charge(&pool, 7, "again", 5).await.expect("ran again").value,
+        500
+    );
+    assert_eq!(charges().await, 3, "the key was new again");
 }

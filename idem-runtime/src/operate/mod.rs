@@ -15,7 +15,7 @@
 //!
 //! | concern | calls |
 //! |---|---|
-//! | records (`idem_requests`) | [`record_stats`], [`show_key`], [`settle`], [`purge_expired`] |
+//! | records (`idem_requests`) | [`record_stats`], [`show_key`], [`settle`], [`settle_forced`], [`purge_expired`] |
 //! | outbox (`idem_outbox`) | [`outbox_stats`], [`dead_events`], [`requeue_event`], [`requeue_dead_events`], [`discard_event`] |
 //! | jobs (`idem_jobs`) | [`job_stats`], [`dead_jobs`], [`requeue_job`], [`requeue_dead_jobs`], [`discard_job`] |
 //! | inbox (`idem_inbox`) | [`inbox_stats`], [`inbox_dead`], [`inbox_purge`] |
@@ -46,7 +46,8 @@ pub use outbox::{
     OutboxStatsView,
 };
 pub use records::{
-    purge_expired, record_stats, settle, show_key, KeyRecord, PurgeView, RecordStats,
+    purge_expired, record_stats, settle, settle_forced, show_key, Forced, KeyRecord, PurgeView,
+    RecordStats,
 };
 #[cfg(feature = "nats")]
 pub use stream::{check_stream, StreamCheck, StreamChoice};

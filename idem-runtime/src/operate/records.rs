@@ -182,6 +182,78 @@ pub async fn settle<S: Serialize + ?Sized>(
     Ok(idempotency::settle(pool, scope, key, settlement).await?)
 }
 
+/// What [`settle_forced`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Forced {
+    /// An in-progress or outcome-unknown record was settled, as [`settle`]
+    /// settles it.
+    Settled,
+    /// A completed record: its stored response replaced
+    /// ([`Settlement::Completed`]) or the record deleted
+    /// ([`Settlement::Released`], the key is new again).
+    Overwritten,
+    /// No record of the key.
+    NotFound,
+}
+
+/// [`settle`] whatever the record's state: an in-progress or
+/// outcome-unknown record is settled as [`settle`] settles it (a live
+/// claim too: its request may still be calling the target), and a
+/// completed one, which [`settle`] leaves alone, is corrected:
+/// [`Settlement::Completed`] replaces its stored response (outcome `ok`),
+/// [`Settlement::Released`] deletes it, so the next call with the key runs
+/// as new.
+///
+/// The response must deserialize as the function's return type (the `T`
+/// of the `#[idempotent]` fn's `Result<T, E>`), or every replay fails; a
+/// Redis replay cache may answer with the response it copied before
+/// until its entry expires (at most `CacheConfig::max_ttl`).
+///
+/// # Errors
+///
+/// As [`settle`]; no connection, or what PostgreSQL said.
+pub async fn settle_forced<S: Serialize + ?Sized>(
+    pool: &Pool,
+    scope: &S,
+    key: &str,
+    settlement: Settlement,
+) -> Result<Forced, OperateError> {
+    // First as `settle`, which also checks that a response can be stored.
+    if settle(pool, scope, key, settlement.clone()).await? {
+        return Ok(Forced::Settled);
+    }
+    let scope = scope_hash(scope)?;
+    let mut conn = pool.get().await?;
+    let n =
+        match settlement {
+            Settlement::Completed(response) => {
+                diesel::sql_query(
+                    "UPDATE idem_requests SET outcome = 'ok', response = $3, updated_at = now()
+                 WHERE scope = $1 AND key = $2 AND state = 'completed'",
+                )
+                .bind::<Text, _>(&scope)
+                .bind::<Text, _>(key)
+                .bind::<Jsonb, _>(&response)
+                .execute(&mut conn)
+                .await?
+            }
+            Settlement::Released => diesel::sql_query(
+                "DELETE FROM idem_requests WHERE scope = $1 AND key = $2 AND state = 'completed'",
+            )
+            .bind::<Text, _>(&scope)
+            .bind::<Text, _>(key)
+            .execute(&mut conn)
+            .await?,
+        };
+    Ok(if n == 1 {
+        Forced::Overwritten
+    } else {
+        Forced::NotFound
+    })
+}
+
 /// What [`purge_expired`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[non_exhaustive]
