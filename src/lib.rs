@@ -65,7 +65,7 @@ pub mod idempotency {
 pub mod versioned {
     pub use idem_runtime::versioned::{
         backstop, check_create_once, ChangesGiven, CreateOnce, CreateOnceModel, Delete,
-        ExpectedVersion, Find, HasTenantColumn, NoChanges, NoExpectedVersion, Pending,
+        ExpectedVersion, Find, HasTenantColumn, NoChanges, NoExpectedVersion, Pending, SqlEquality,
         StateMachine, Tenant, TenantGiven, TenantMissing, Transition, TransitionChanges,
         Transitioned, Untenanted, Update, VersionGiven, VersionValue, WithChanges,
     };

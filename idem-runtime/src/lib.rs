@@ -35,9 +35,10 @@ pub use versioned::{
 #[doc(hidden)]
 pub mod __private {
     pub use crate::versioned::{
-        state_from_sql, state_to_sql, table_sql, Assignable, BypassesVersionCheck, CasUpdate,
-        CreateOnceModel, JsonbArray, OnceKeyNull, OnceKeyProbe, OnceKeyValue, RecordedTransition,
-        StateMachine, TenantMissing, TransitionRecord, Untenanted, VersionValue,
+        assert_sql_equality, create_once_guard, state_from_sql, state_to_sql, table_sql,
+        Assignable, BypassesVersionCheck, CasUpdate, CreateOnceModel, JsonbArray, OnceKeyNull,
+        OnceKeyProbe, OnceKeyValue, RecordedTransition, StateMachine, TenantMissing,
+        TransitionRecord, Untenanted, VersionValue,
     };
 
     /// Asks the compiler whether `C` may be assigned by a changeset of `M`.

@@ -54,6 +54,7 @@
 //! | 13 | `transitions_bound` | the columns `idem_transitions.table_oid` (the table as the transition's statement resolved it) and `row_xid` (the id of the (sub)transaction that wrote the row version), the key `(table_oid, identity)`; `table_name` becomes null for new records (kept, and unique, for an earlier build's): a record is bound to its table and to the very write it made, see [`Transitioned`](crate::versioned::Transitioned) |
 //! | 14 | `standby_holds` | the function `idem_standby_holds(target)`, which waits until every synchronous standby has flushed WAL up to `target`: with [`Replication::Synchronous`](crate::pool::Replication::Synchronous), a replay and a publish wait for it |
 //! | 15 | `idem_requests_lean` | the enum types `idem_request_mode`, `idem_request_state` and `idem_request_outcome` (with assignment casts from `text`) for those columns of `idem_requests`, whose seven `CHECK` constraints it drops (their per-statement set-up was most of the record's cost); existing records are converted |
+//! | 16 | `create_once_guard` | the function `idem_create_once_guard(table, columns)`, which `create_once`'s INSERT writes the version through: evaluated when PostgreSQL plans the statement, it raises (IDR03) unless the table has a unique index on exactly the tenant and key columns and no deferrable unique or exclusion constraint |
 //!
 //! Every object carries the same description as a `COMMENT ON`, so `\d+` and
 //! `\df+` in psql explain it.
@@ -207,6 +208,11 @@ static MIGRATIONS: &[Migration] = &[
         version: 15,
         name: "idem_requests_lean",
         sql: include_str!("../migrations/0015_idem_requests_lean.sql"),
+    },
+    Migration {
+        version: 16,
+        name: "create_once_guard",
+        sql: include_str!("../migrations/0016_create_once_guard.sql"),
     },
 ];
 

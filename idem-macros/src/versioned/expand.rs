@@ -15,7 +15,7 @@ pub(crate) fn column(table: &syn::Path, field: &Field) -> TokenStream {
 /// `tokens` with every token (and group) at `span`, so that an error about the
 /// whole path points at the user's field rather than at the `table_name`
 /// attribute the path starts with.
-fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+pub(crate) fn respan(tokens: TokenStream, span: Span) -> TokenStream {
     tokens
         .into_iter()
         .map(|token| match token {
@@ -376,15 +376,23 @@ pub(crate) fn model(model: &Model) -> TokenStream {
 /// `column.eq(&self.field)` for every field, the version at zero: the values
 /// of a new row.
 pub(crate) fn insert_values(model: &Model) -> Vec<TokenStream> {
-    let version = model.field(model.version);
-    let version_ty = &version.ty;
+    let version_ty = &model.field(model.version).ty;
+    insert_values_with(
+        model,
+        quote!(<#version_ty as ::idem::__private::VersionValue>::ZERO),
+    )
+}
+
+/// The values of a new row, the version written as `version`.
+pub(crate) fn insert_values_with(model: &Model, version: TokenStream) -> Vec<TokenStream> {
+    let version_field = model.field(model.version);
     model
         .fields
         .iter()
         .map(|f| {
             let col = column(&model.table, f);
-            if std::ptr::eq(f, version) {
-                quote!(#col.eq(<#version_ty as ::idem::__private::VersionValue>::ZERO))
+            if std::ptr::eq(f, version_field) {
+                quote!(#col.eq(#version))
             } else {
                 let name = &f.ident;
                 quote!(#col.eq(&self.#name))

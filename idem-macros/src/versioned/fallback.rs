@@ -186,9 +186,6 @@ fn once(input: &ModelInput, generic: bool) -> TokenStream {
         impl #private::CreateOnceModel for #ident {
             const ONCE_COLUMNS: &'static [&'static str] = &[];
             const ONCE_FIELDS: &'static [&'static str] = &[];
-            fn __once_checked() -> &'static ::std::sync::atomic::AtomicBool {
-                ::core::unreachable!()
-            }
             fn __once_key_missing(&self) -> bool {
                 ::core::unreachable!()
             }

@@ -3,9 +3,9 @@
 //! `Versioned::create_once` runs. Nothing for a model without it.
 
 use proc_macro2::TokenStream;
-use quote::quote;
+use quote::{quote, quote_spanned};
 
-use super::expand::{column, conjunction, insert_values};
+use super::expand::{column, conjunction, insert_values_with};
 use super::validate::Model;
 
 pub(crate) fn expand(model: &Model) -> TokenStream {
@@ -48,7 +48,10 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
         .fingerprint
         .iter()
         .map(|&i| model.field(i).ident.to_string());
-    let insert_values = insert_values(model);
+    // The version is 0 through the guard that refuses a table without the
+    // key's unique index (evaluated when PostgreSQL plans the statement).
+    let version_col = column(table, model.field(model.version));
+    let insert_values = insert_values_with(model, quote!(__idem_guard));
 
     // One flag per fingerprint field, compared in SQL (so by the column's own
     // equality), NULL equal to NULL.
@@ -80,16 +83,29 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
         }
     };
 
+    // Each fingerprint column's SQL type must have `=`, asked at the
+    // user's name for it (json has none: every repeat would fail).
+    let comparable = once
+        .fingerprint
+        .iter()
+        .zip(&once.fingerprint_names)
+        .map(|(&i, name)| {
+            let col = super::expand::respan(column(table, model.field(i)), name.span());
+            quote_spanned! {name.span()=>
+                #private::assert_sql_equality::<<#col as #private::diesel::Expression>::SqlType>();
+            }
+        });
     quote! {
+        // Never called: it only asks the compiler about the fingerprint's types.
+        #[allow(dead_code)]
+        fn __idem_check_fingerprint() {
+            #(#comparable)*
+        }
+
         #[automatically_derived]
         impl #private::CreateOnceModel for #ident {
             const ONCE_COLUMNS: &'static [&'static str] = &[#(<#identity_cols as #private::diesel::Column>::NAME,)*];
             const ONCE_FIELDS: &'static [&'static str] = &[#(#field_names,)*];
-
-            fn __once_checked() -> &'static ::std::sync::atomic::AtomicBool {
-                static CHECKED: ::std::sync::atomic::AtomicBool = ::std::sync::atomic::AtomicBool::new(false);
-                &CHECKED
-            }
 
             // `&&` picks the `Option` impl where the field is one.
             #[allow(clippy::needless_borrow)]
@@ -102,6 +118,10 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
                 -> impl ::core::future::Future<Output = ::core::result::Result<::core::option::Option<Self>, #derr>> + ::core::marker::Send + 'c
             {
                 async move {
+                    let __idem_guard = #private::create_once_guard::<<#version_col as #private::diesel::Expression>::SqlType>(
+                        &<Self as ::idem::Versioned>::table_sql(),
+                        <Self as #private::CreateOnceModel>::ONCE_COLUMNS,
+                    );
                     // No conflict target: every unique index is an arbiter,
                     // so a racer meeting the winner on another unique column
                     // waits and writes nothing rather than failing.

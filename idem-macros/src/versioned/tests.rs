@@ -121,8 +121,8 @@ fn model_reports_every_unknown_key() {
     assert_eq!(
         errors,
         [
-            "unknown key `sate` in #[versioned(..)]; the valid keys are `tenant`, `version`, `key` and `state`",
-            "unknown key `verison` in #[versioned(..)]; the valid keys are `tenant`, `version`, `key` and `state`",
+            "unknown key `sate` in #[versioned(..)]; the valid keys are `tenant`, `version`, `key`, `state` and `create_once`",
+            "unknown key `verison` in #[versioned(..)]; the valid keys are `tenant`, `version`, `key`, `state` and `create_once`",
         ]
     );
 }
@@ -155,7 +155,7 @@ fn model_reports_attribute_and_field_mistakes_together() {
         errors,
         [
             "`version` is given more than once in #[versioned(..)]; keep only the one you mean",
-            "unknown key `colour` in #[versioned(..)]; the valid keys are `tenant`, `version`, `key` and `state`",
+            "unknown key `colour` in #[versioned(..)]; the valid keys are `tenant`, `version`, `key`, `state` and `create_once`",
             "#[versioned(..)] must name the tenant: add `tenant = <field>`, or `tenant = none` for a table that has no tenants",
             "`Document` has no field `revision`; its fields are `id`, `version`",
         ]

@@ -29,6 +29,8 @@ pub(crate) struct Once {
     pub(crate) key: Vec<usize>,
     /// Indexes into `fields`, in declaration order.
     pub(crate) fingerprint: Vec<usize>,
+    /// The fingerprint's names as written, for spans.
+    pub(crate) fingerprint_names: Vec<Ident>,
 }
 
 impl Model {
@@ -250,6 +252,8 @@ fn create_once(
             Some("the version: it is 0 for every new row")
         } else if Some(i) == tenant {
             Some("the tenant, which the key includes already: name only the key column(s)")
+        } else if roles.state.flatten() == Some(i) {
+            Some("the state, which transitions change: after the first one, a repeat would create a second row")
         } else {
             None
         };
@@ -262,6 +266,7 @@ fn create_once(
         }
     }
     let mut compared = Vec::new();
+    let mut names = Vec::new();
     for (n, name) in fingerprint.value.iter().enumerate() {
         if fingerprint.value[..n].contains(name) {
             errors.push_at(
@@ -291,12 +296,16 @@ fn create_once(
                 errors.push_at(name, format!("`{name}` cannot be in the fingerprint: it is {role}; name the fields the request fixes at creation"));
                 complete = false;
             }
-            None => compared.push(i),
+            None => {
+                compared.push(i);
+                names.push(name.clone());
+            }
         }
     }
     complete.then(|| Once {
         key: key_fields.unwrap_or_default(),
         fingerprint: compared,
+        fingerprint_names: names,
     })
 }
 

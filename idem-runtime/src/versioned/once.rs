@@ -20,10 +20,14 @@
 //! primary key first, where the loser gets a unique violation (23505) and an
 //! aborted transaction instead of the winner's row. Without a target every
 //! unique index is an arbiter: the loser waits for the winner, writes
-//! nothing, and reads the row. The price is that the database no longer
-//! proves the key's index exists on every statement, so idem checks it
-//! itself, once per model and process, before the first create
-//! ([`check_create_once`]).
+//! nothing, and reads the row. The price is that PostgreSQL no longer proves
+//! that the key has a unique index, so the INSERT proves it itself: it
+//! writes the new row's version as `idem_create_once_guard('<table>'::regclass,
+//! ARRAY[<tenant and key columns>])` (migration 16), an IMMUTABLE function of
+//! constants that PostgreSQL evaluates when it plans the statement and
+//! again whenever the table's indexes or the search_path change, and that
+//! raises unless the index is there. So the check costs nothing per call and
+//! follows every database, schema and index the statement meets.
 //!
 //! Isolation: at READ COMMITTED the read after a conflict takes a new
 //! snapshot and sees the winner. At REPEATABLE READ and SERIALIZABLE
@@ -32,10 +36,10 @@
 //! replays the transaction, whose new snapshot sees it.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
 
+use diesel::expression::SqlLiteral;
 use diesel::result::Error as DieselError;
-use diesel::sql_types::{Array, Bool, Text};
+use diesel::sql_types::{Array, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use super::Versioned;
@@ -43,7 +47,9 @@ use super::Versioned;
 /// What [`Versioned::create_once`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Creation<M> {
-    /// This call inserted the row (at version 0), as returned by the database.
+    /// This call inserted the row, as returned by the database (at version
+    /// 0, or where the version guard's record of a deleted row with this
+    /// identity leaves it).
     Created(M),
     /// A row with this key was already there in this tenant, with the same
     /// declared fields: the request is a repeat, and this is that row as it
@@ -96,13 +102,18 @@ pub enum CreateOnceError {
     #[error("the idempotency key is missing (a key column or the tenant is NULL), and a row without a key cannot be created once; give the key, or use `insert`")]
     MissingKey,
     /// The table has no unique index on exactly the tenant and key columns,
-    /// so the database would not stop a second row with the same key.
-    #[error("{table} has no unique index on exactly ({}), so a repeated create would not be stopped; add `CREATE UNIQUE INDEX ON {table} ({})` (not partial, not deferrable)", columns.join(", "), columns.join(", "))]
+    /// so the database would not stop a second row with the same key; or it
+    /// has a deferrable unique or exclusion constraint, which `ON CONFLICT`
+    /// refuses. Found when PostgreSQL plans the INSERT (migration 16's
+    /// guard), before anything is written; the transaction is aborted.
+    #[error("create_once cannot be used on {table}: {reason}")]
     NoUniqueIndex {
         /// The table, as SQL names it.
         table: String,
         /// The columns the index must cover: the tenant (if any), then the key.
         columns: Vec<&'static str>,
+        /// What the database found, with the fix.
+        reason: String,
     },
     /// The database refused a statement, or the connection failed. A
     /// serialization failure here (a concurrent create at REPEATABLE READ or
@@ -128,35 +139,19 @@ impl crate::cause::Transient for CreateOnceError {
 /// methods are the generated statements that [`Versioned::create_once`]
 /// calls.
 ///
-/// ```
-/// use idem::Versioned;
-///
-/// diesel::table! {
-///     orders (tenant_id, id) {
-///         tenant_id -> Int8,
-///         id -> Int8,
-///         request_id -> Text,
-///         amount -> Int8,
-///         version -> Int8,
-///     }
-/// }
-///
-/// // The table needs `UNIQUE (tenant_id, request_id)`: the tenant, then the key.
-/// #[derive(Debug, Clone, diesel::Queryable, diesel::Selectable, Versioned)]
+/// ```text
+/// // CREATE TABLE orders (.., CONSTRAINT uk_idempotent_key UNIQUE (tenant_id, request_id));
+/// #[derive(Debug, Clone, diesel::Queryable, diesel::Selectable, idem::Versioned)]
 /// #[diesel(table_name = orders)]
 /// #[versioned(tenant = tenant_id, key = id,
 ///             create_once(key = request_id, fingerprint(id, amount)))]
-/// struct Order {
-///     tenant_id: i64,
-///     id: i64,
-///     request_id: String,
-///     amount: i64,
-///     version: i64,
-/// }
+/// struct Order { tenant_id: i64, id: i64, request_id: String, amount: i64, version: i64 }
 ///
-/// assert_eq!(<Order as idem::versioned::CreateOnceModel>::ONCE_COLUMNS, ["tenant_id", "request_id"]);
-/// assert_eq!(<Order as idem::versioned::CreateOnceModel>::ONCE_FIELDS, ["id", "amount"]);
+/// // ONCE_COLUMNS == ["tenant_id", "request_id"], ONCE_FIELDS == ["id", "amount"]
 /// ```
+///
+/// (The guide's "Create once on the business key", `docs/versioned.md`,
+/// has this example compiled, with the calls and their answers.)
 #[diagnostic::on_unimplemented(
     message = "`{Self}` declares no create-once key",
     label = "`create_once` needs the model's idempotency key",
@@ -170,15 +165,12 @@ pub trait CreateOnceModel: Versioned {
     const ONCE_FIELDS: &'static [&'static str];
 
     #[doc(hidden)]
-    /// Set once this model's unique index was found in this process.
-    fn __once_checked() -> &'static AtomicBool;
-
-    #[doc(hidden)]
     /// Whether a key column or the tenant is `None`.
     fn __once_key_missing(&self) -> bool;
 
     #[doc(hidden)]
-    /// `INSERT .. ON CONFLICT DO NOTHING RETURNING ..`: the row if inserted.
+    /// `INSERT .. ON CONFLICT DO NOTHING RETURNING ..`, the version written
+    /// by [`create_once_guard`]: the row if inserted.
     fn __once_insert<'c>(
         &'c self,
         conn: &'c mut AsyncPgConnection,
@@ -236,10 +228,8 @@ async fn create_once<M: CreateOnceModel>(
     if row.__once_key_missing() {
         return Err(CreateOnceError::MissingKey);
     }
-    if !M::__once_checked().load(Ordering::Acquire) {
-        check_create_once::<M>(conn).await?;
-    }
-    if let Some(created) = row.__once_insert(conn).await? {
+    let inserted = row.__once_insert(conn).await.map_err(refused::<M>)?;
+    if let Some(created) = inserted {
         return Ok(Creation::Created(created));
     }
     // Nothing written: some unique index already holds one of the row's
@@ -264,55 +254,123 @@ async fn create_once<M: CreateOnceModel>(
     }
 }
 
-#[derive(diesel::QueryableByName)]
-struct Found {
-    #[diesel(sql_type = Bool)]
-    found: bool,
+/// The message prefix of migration 16's guard (SQLSTATE IDR03; diesel
+/// reports no SQLSTATE of its own).
+const GUARD: &str = "idem: create_once: ";
+
+/// The guard's refusal as [`CreateOnceError::NoUniqueIndex`]; any other
+/// error as it is.
+fn refused<M: CreateOnceModel>(err: DieselError) -> CreateOnceError {
+    match &err {
+        DieselError::DatabaseError(_, info) if info.message().starts_with(GUARD) => {
+            let reason = info.message()[GUARD.len()..].to_owned();
+            let reason = match info.hint() {
+                Some(hint) => format!("{reason}; {hint}"),
+                None => reason,
+            };
+            CreateOnceError::NoUniqueIndex {
+                table: M::table_sql(),
+                columns: M::ONCE_COLUMNS.to_vec(),
+                reason,
+            }
+        }
+        _ => CreateOnceError::Database(err),
+    }
 }
 
-/// Checks that `M`'s table has a unique index on exactly its tenant and key
-/// columns (valid, not partial, not on expressions, not deferrable), and
-/// remembers it for the process. [`Versioned::create_once`] calls this
-/// before the model's first create; call it at start-up to learn of a
-/// missing index before the first request (and for each database, when one
-/// process serves several).
+/// The version a create-once writes: 0, through migration 16's guard,
+/// which PostgreSQL evaluates when it plans the INSERT and which refuses a
+/// table whose key has no unique index. `ST` is the version column's type.
+#[doc(hidden)]
+pub fn create_once_guard<ST: diesel::sql_types::SingleValue>(
+    table_sql: &str,
+    columns: &[&str],
+) -> SqlLiteral<ST> {
+    let quote = |s: &str| format!("'{}'", s.replace('\'', "''"));
+    let columns: Vec<String> = columns.iter().map(|c| quote(c)).collect();
+    diesel::dsl::sql(&format!(
+        "idem_create_once_guard({}::regclass, ARRAY[{}]::text[])",
+        quote(table_sql),
+        columns.join(", ")
+    ))
+}
+
+/// Checks that `M`'s table, as this connection's `search_path` resolves
+/// it, has a unique index on exactly its tenant and key columns (valid, not
+/// partial, not on expressions, not deferrable) and no deferrable unique or
+/// exclusion constraint. [`Versioned::create_once`] does not need it (its
+/// INSERT checks the same when PostgreSQL plans it); call it at start-up to
+/// learn of a missing index before the first request.
 ///
 /// # Errors
 ///
-/// [`CreateOnceError::NoUniqueIndex`] when there is none (or the table does
-/// not exist), [`CreateOnceError::Database`] when the catalog could not be
-/// read.
+/// [`CreateOnceError::NoUniqueIndex`] when the table does not qualify,
+/// [`CreateOnceError::Database`] when it does not exist or the check could
+/// not run (migration 16 missing).
 pub async fn check_create_once<M: CreateOnceModel>(
     conn: &mut AsyncPgConnection,
 ) -> Result<(), CreateOnceError> {
-    let table = M::table_sql();
     let columns: Vec<String> = M::ONCE_COLUMNS.iter().map(|c| (*c).to_owned()).collect();
-    let found: Found = diesel::sql_query(
-        "SELECT EXISTS (
-             SELECT FROM pg_index i
-             WHERE i.indrelid = to_regclass($1)
-               AND i.indisunique AND i.indisvalid AND i.indimmediate
-               AND i.indpred IS NULL AND i.indexprs IS NULL
-               AND i.indnkeyatts = cardinality($2::text[])
-               AND NOT EXISTS (
-                   SELECT FROM generate_series(0, i.indnkeyatts - 1) AS k
-                   JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k]
-                   WHERE NOT (a.attname::text = ANY ($2::text[])))
-         ) AS found",
-    )
-    .bind::<Text, _>(&table)
-    .bind::<Array<Text>, _>(&columns)
-    .get_result(conn)
-    .await?;
-    if !found.found {
-        return Err(CreateOnceError::NoUniqueIndex {
-            table,
-            columns: M::ONCE_COLUMNS.to_vec(),
-        });
-    }
-    M::__once_checked().store(true, Ordering::Release);
+    diesel::sql_query("SELECT idem_create_once_guard($1::regclass, $2)")
+        .bind::<Text, _>(M::table_sql())
+        .bind::<Array<Text>, _>(&columns)
+        .execute(conn)
+        .await
+        .map_err(refused::<M>)?;
     Ok(())
 }
+
+/// A SQL type PostgreSQL can compare with `=` (and so with `IS NOT DISTINCT
+/// FROM`), as a `create_once` fingerprint field's column must be. Implemented
+/// for diesel's types that have one; not for `Json`, which has none (use
+/// `Jsonb`). For a SQL type of your own whose PostgreSQL type has `=` (an
+/// enum, a domain), implement it: `impl idem::versioned::SqlEquality for MyType {}`.
+#[diagnostic::on_unimplemented(
+    message = "a create_once fingerprint field's column of SQL type `{Self}` cannot be compared",
+    label = "PostgreSQL needs `=` for this column's type to tell a repeat from another request",
+    note = "`json` has no `=` in PostgreSQL: make the column `jsonb`, or leave the field out of the fingerprint; a SQL type of your own that has `=` (an enum, a domain) needs `impl idem::versioned::SqlEquality for <that type> {{}}`"
+)]
+pub trait SqlEquality {}
+
+macro_rules! sql_equality {
+    ($($t:ident),* $(,)?) => {$(
+        impl SqlEquality for diesel::sql_types::$t {}
+    )*};
+}
+sql_equality!(
+    Bool,
+    SmallInt,
+    Integer,
+    BigInt,
+    Float,
+    Double,
+    Numeric,
+    Text,
+    Binary,
+    Date,
+    Time,
+    Timestamp,
+    Timestamptz,
+    Interval,
+    Jsonb,
+    Uuid,
+    Money,
+    Inet,
+    Cidr,
+    MacAddr,
+    MacAddr8,
+    CChar,
+    Citext,
+    Oid,
+    PgLsn,
+);
+impl<T: SqlEquality> SqlEquality for diesel::sql_types::Nullable<T> {}
+impl<T: SqlEquality> SqlEquality for diesel::sql_types::Array<T> {}
+impl<T: SqlEquality> SqlEquality for diesel::sql_types::Range<T> {}
+
+/// Asks the compiler whether a fingerprint column's SQL type has `=`.
+#[doc(hidden)]
+pub fn assert_sql_equality<ST: SqlEquality>() {}
 
 /// Tells a NULL key part (`Option::None`) from a value, for any field type:
 /// generated code calls `(&&OnceKeyProbe(&field)).__idem_is_null()`, which
