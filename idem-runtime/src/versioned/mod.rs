@@ -18,7 +18,7 @@ pub use builder::*;
 pub use cas::CasUpdate;
 pub use once::{
     assert_sql_equality, check_create_once, create_once_guard, CreateOnce, CreateOnceError,
-    CreateOnceModel, Creation, OnceKeyNull, OnceKeyProbe, OnceKeyValue, SqlEquality,
+    CreateOnceModel, Creation, OnceGuard, OnceKeyNull, OnceKeyProbe, OnceKeyValue, SqlEquality,
 };
 pub use record::{JsonbArray, RecordedTransition, TransitionRecord};
 pub use states::{state_from_sql, state_to_sql, StateMachine, Transitioned};

@@ -37,8 +37,12 @@
 
 use std::future::Future;
 
-use diesel::expression::SqlLiteral;
+use diesel::expression::{AppearsOnTable, Expression, SelectableExpression, ValidGrouping};
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::Error as DieselError;
+use diesel::result::QueryResult;
+use diesel::sql_types::SingleValue;
 use diesel::sql_types::{Array, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
@@ -282,17 +286,53 @@ fn refused<M: CreateOnceModel>(err: DieselError) -> CreateOnceError {
 /// which PostgreSQL evaluates when it plans the INSERT and which refuses a
 /// table whose key has no unique index. `ST` is the version column's type.
 #[doc(hidden)]
-pub fn create_once_guard<ST: diesel::sql_types::SingleValue>(
-    table_sql: &str,
-    columns: &[&str],
-) -> SqlLiteral<ST> {
+pub fn create_once_guard<ST: SingleValue>(table_sql: &str, columns: &[&str]) -> OnceGuard<ST> {
     let quote = |s: &str| format!("'{}'", s.replace('\'', "''"));
     let columns: Vec<String> = columns.iter().map(|c| quote(c)).collect();
-    diesel::dsl::sql(&format!(
-        "idem_create_once_guard({}::regclass, ARRAY[{}]::text[])",
-        quote(table_sql),
-        columns.join(", ")
-    ))
+    OnceGuard {
+        sql: format!(
+            "idem_create_once_guard({}::regclass, ARRAY[{}]::text[])",
+            quote(table_sql),
+            columns.join(", ")
+        ),
+        _type: std::marker::PhantomData,
+    }
+}
+
+/// The guard's call as SQL text. Unlike `diesel::dsl::sql`, which marks its
+/// statement unsafe to prepare, it lets diesel prepare the INSERT once per
+/// connection (its text is fixed per model): preparing is what makes
+/// PostgreSQL keep the plan, and with it the guard's answer, between calls.
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub struct OnceGuard<ST> {
+    sql: String,
+    _type: std::marker::PhantomData<ST>,
+}
+
+impl<ST: SingleValue> Expression for OnceGuard<ST> {
+    type SqlType = ST;
+}
+
+impl<ST> QueryFragment<Pg> for OnceGuard<ST> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(&self.sql);
+        Ok(())
+    }
+}
+
+impl<ST> QueryId for OnceGuard<ST> {
+    type QueryId = ();
+    // The text differs per model: statements are cached by their SQL.
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<QS, ST: SingleValue> AppearsOnTable<QS> for OnceGuard<ST> {}
+
+impl<QS, ST: SingleValue> SelectableExpression<QS> for OnceGuard<ST> {}
+
+impl<ST, GB> ValidGrouping<GB> for OnceGuard<ST> {
+    type IsAggregate = diesel::expression::is_aggregate::Never;
 }
 
 /// Checks that `M`'s table, as this connection's `search_path` resolves
