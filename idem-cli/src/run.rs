@@ -43,20 +43,10 @@ pub async fn run(cli: &Cli) -> Result<u8> {
             if cli.json {
                 emit(cli, &value, String::new)?;
             } else {
-                // The SQL as embedded, tabs and all: it is this build's,
-                // not stored data.
-                let sql: String = all
-                    .iter()
-                    .map(|m| {
-                        format!(
-                            "-- idem migration {} ({})\n{}\n",
-                            m.version(),
-                            m.name(),
-                            m.sql()
-                        )
-                    })
-                    .collect();
-                write_out(&sql)?;
+                // One script, in one transaction, that also records each
+                // migration as `idem migrate` does. Printed as it is, tabs
+                // and all: it is this build's SQL, not stored data.
+                write_out(&idem_runtime::migrate::script())?;
             }
             Ok(0)
         }

@@ -436,3 +436,73 @@ async fn a_completed_record_is_corrected_or_released_with_force() {
     );
     assert_eq!(charges().await, 3, "the key was new again");
 }
+
+/// The names of a database's relations, functions, types and triggers,
+/// and idem's bookkeeping rows, to compare two databases.
+async fn schema(client: &Client) -> Vec<String> {
+    let rows = client
+        .query(
+            "SELECT 'rel ' || relname || ' ' || relkind::text FROM pg_class c
+               JOIN pg_namespace n ON n.oid = c.relnamespace WHERE nspname = 'public'
+             UNION ALL SELECT 'fn ' || proname FROM pg_proc p
+               JOIN pg_namespace n ON n.oid = p.pronamespace WHERE nspname = 'public'
+             UNION ALL SELECT 'type ' || typname FROM pg_type t
+               JOIN pg_namespace n ON n.oid = t.typnamespace WHERE nspname = 'public'
+             UNION ALL SELECT 'trigger ' || tgname FROM pg_trigger WHERE NOT tgisinternal
+             UNION ALL SELECT 'migration ' || version || ' ' || name || ' ' || checksum
+               FROM idem_schema_migrations
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("the catalog");
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
+/// `idem migrate --print-sql` applied by hand leaves the database as
+/// `idem migrate` would: migrated and recorded, so status is current and
+/// migrate applies nothing; and it refuses a database already migrated.
+#[tokio::test]
+async fn the_printed_sql_applied_by_hand_is_recorded() {
+    let (code, script, err) = idem("postgres://nowhere.invalid/x", &["migrate", "--print-sql"]);
+    assert_eq!(code, 0, "needs no database: {err}");
+    let by_hand = TestDatabase::create().await.expect("a database");
+    let client = idem_testing::connect(by_hand.url()).await.expect("connect");
+    client
+        .batch_execute(&script)
+        .await
+        .expect("the script applies");
+
+    let (code, out, err) = idem(by_hand.url(), &["migrate", "status"]);
+    assert_eq!(code, 0, "current: {out}{err}");
+    assert!(!out.contains("pending"), "{out}");
+    let (code, out, err) = idem(by_hand.url(), &["migrate"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("nothing to apply"), "{out}");
+    let (code, out, _) = idem(by_hand.url(), &["doctor"]);
+    assert!(out.contains("ok    migrations"), "{code}: {out}");
+
+    // The same objects and rows as `idem migrate` makes.
+    let (migrated_db, migrated_client) = migrated().await;
+    let applied = schema(&client).await;
+    assert_eq!(applied, schema(&migrated_client).await);
+    assert_eq!(
+        applied
+            .iter()
+            .filter(|l| l.starts_with("migration "))
+            .count(),
+        idem::migrate::migrations().len()
+    );
+
+    // Applied again, or to a database `idem migrate` made: refused, and
+    // nothing changes (one transaction).
+    for (db, client) in [(&by_hand, &client), (&migrated_db, &migrated_client)] {
+        let before = schema(client).await;
+        let e = client.batch_execute(&script).await.expect_err("refused");
+        assert!(format!("{e:?}").contains("idem migrate"), "{e:?}");
+        // Sent as one message, the rest of it was skipped: the transaction
+        // it began is still open, aborted (psql would reach its COMMIT).
+        client.batch_execute("ROLLBACK").await.expect("rolled back");
+        assert_eq!(schema(client).await, before, "{}", db.url());
+    }
+}

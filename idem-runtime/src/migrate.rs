@@ -227,6 +227,57 @@ pub fn migrations() -> &'static [Migration] {
     MIGRATIONS
 }
 
+/// Every embedded migration as one SQL script, for a team that applies
+/// SQL with its own tools (`psql -f`): in one transaction, under
+/// [`ADVISORY_LOCK_KEY`], it creates `idem_schema_migrations` as [`migrate`]
+/// does, runs each migration and records it with its version, name and
+/// checksum, so that afterwards [`migrate`] applies nothing and
+/// `idem migrate status` is current. A database where any migration is
+/// recorded already is refused (the script raises and nothing changes):
+/// bring it up to date with [`migrate`].
+///
+/// ```
+/// let script = idem_runtime::migrate::script();
+/// assert!(script.starts_with("-- idem's migrations"));
+/// assert!(script.contains("INSERT INTO idem_schema_migrations"));
+/// assert!(script.trim_end().ends_with("COMMIT;"));
+/// ```
+pub fn script() -> String {
+    use fmt::Write as _;
+    let last = MIGRATIONS.last().map_or(0, |m| m.version);
+    let mut s = format!(
+        "-- idem's migrations 1 to {last}, as `idem migrate` applies them, in one transaction,\n\
+         -- recorded in {MIGRATIONS_TABLE} (so that idem::migrate applies nothing afterwards).\n\
+         -- For a database without idem's migrations: `psql -v ON_ERROR_STOP=1 -f this.sql`.\n\
+         BEGIN;\n\
+         DO $idem_lock$ BEGIN PERFORM pg_advisory_xact_lock({ADVISORY_LOCK_KEY}); END $idem_lock$;\n\
+         {}\n\
+         DO $idem_script$\n\
+         BEGIN\n    \
+             IF EXISTS (SELECT 1 FROM {MIGRATIONS_TABLE}) THEN\n        \
+                 RAISE EXCEPTION 'idem: this database already records idem migrations in {MIGRATIONS_TABLE}: run idem migrate (or idem::migrate) to apply what it lacks; nothing was changed';\n    \
+             END IF;\n\
+         END\n\
+         $idem_script$;\n",
+        BOOTSTRAP_SQL.trim()
+    );
+    for m in MIGRATIONS {
+        let _ = write!(
+            s,
+            "\n-- idem migration {} ({})\n{}\n\
+             INSERT INTO {MIGRATIONS_TABLE} (version, name, checksum) VALUES ({}, '{}', '{}');\n",
+            m.version,
+            m.name,
+            m.sql.trim_end(),
+            m.version,
+            m.name,
+            m.checksum()
+        );
+    }
+    s.push_str("\nCOMMIT;\n");
+    s
+}
+
 /// What one call of [`migrate`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
