@@ -35,9 +35,9 @@ pub use versioned::{
 #[doc(hidden)]
 pub mod __private {
     pub use crate::versioned::{
-        assert_sql_equality, create_once_guard, state_from_sql, state_to_sql, table_sql,
-        Assignable, BypassesVersionCheck, CasUpdate, CreateOnceModel, JsonbArray, OnceKeyNull,
-        OnceKeyProbe, OnceKeyValue, RecordedTransition, StateMachine, TenantMissing,
+        assert_sql_equality, create_once_guard_sql, state_from_sql, state_to_sql, table_sql,
+        Assignable, BypassesVersionCheck, CasUpdate, CreateOnceModel, JsonbArray, OnceGuard,
+        OnceKeyNull, OnceKeyProbe, OnceKeyValue, RecordedTransition, StateMachine, TenantMissing,
         TransitionRecord, Untenanted, VersionValue,
     };
 

@@ -118,9 +118,12 @@ pub(crate) fn expand(model: &Model) -> TokenStream {
                 -> impl ::core::future::Future<Output = ::core::result::Result<::core::option::Option<Self>, #derr>> + ::core::marker::Send + 'c
             {
                 async move {
-                    let __idem_guard = #private::create_once_guard::<<#version_col as #private::diesel::Expression>::SqlType>(
-                        &<Self as ::idem::Versioned>::table_sql(),
-                        <Self as #private::CreateOnceModel>::ONCE_COLUMNS,
+                    static __IDEM_GUARD: ::std::sync::OnceLock<::std::string::String> = ::std::sync::OnceLock::new();
+                    let __idem_guard = #private::OnceGuard::<Self, <#version_col as #private::diesel::Expression>::SqlType>::new(
+                        __IDEM_GUARD.get_or_init(|| #private::create_once_guard_sql(
+                            &<Self as ::idem::Versioned>::table_sql(),
+                            <Self as #private::CreateOnceModel>::ONCE_COLUMNS,
+                        )),
                     );
                     // No conflict target: every unique index is an arbiter,
                     // so a racer meeting the winner on another unique column

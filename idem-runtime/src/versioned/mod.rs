@@ -17,7 +17,7 @@ mod transition;
 pub use builder::*;
 pub use cas::CasUpdate;
 pub use once::{
-    assert_sql_equality, check_create_once, create_once_guard, CreateOnce, CreateOnceError,
+    assert_sql_equality, check_create_once, create_once_guard_sql, CreateOnce, CreateOnceError,
     CreateOnceModel, Creation, OnceGuard, OnceKeyNull, OnceKeyProbe, OnceKeyValue, SqlEquality,
 };
 pub use record::{JsonbArray, RecordedTransition, TransitionRecord};

@@ -282,56 +282,66 @@ fn refused<M: CreateOnceModel>(err: DieselError) -> CreateOnceError {
     }
 }
 
-/// The version a create-once writes: 0, through migration 16's guard,
-/// which PostgreSQL evaluates when it plans the INSERT and which refuses a
-/// table whose key has no unique index. `ST` is the version column's type.
+/// The SQL of migration 16's guard for a table and its tenant and key
+/// columns; generated code computes it once per model.
 #[doc(hidden)]
-pub fn create_once_guard<ST: SingleValue>(table_sql: &str, columns: &[&str]) -> OnceGuard<ST> {
+pub fn create_once_guard_sql(table_sql: &str, columns: &[&str]) -> String {
     let quote = |s: &str| format!("'{}'", s.replace('\'', "''"));
     let columns: Vec<String> = columns.iter().map(|c| quote(c)).collect();
-    OnceGuard {
-        sql: format!(
-            "idem_create_once_guard({}::regclass, ARRAY[{}]::text[])",
-            quote(table_sql),
-            columns.join(", ")
-        ),
-        _type: std::marker::PhantomData,
+    format!(
+        "idem_create_once_guard({}::regclass, ARRAY[{}]::text[])",
+        quote(table_sql),
+        columns.join(", ")
+    )
+}
+
+/// The version a create-once writes: 0, through migration 16's guard
+/// ([`create_once_guard_sql`]), which PostgreSQL evaluates when it plans the
+/// INSERT and which refuses a table whose key has no unique index. `M` is
+/// the model, `ST` the version column's type.
+///
+/// Unlike `diesel::dsl::sql`, which marks its statement unsafe to prepare,
+/// it lets diesel prepare the INSERT once per connection: preparing is what
+/// makes PostgreSQL keep the plan, and with it the guard's answer, between
+/// calls. Its text is fixed per model, so its query id is the model's: diesel
+/// finds the prepared statement by type, without rendering the SQL again.
+#[doc(hidden)]
+pub struct OnceGuard<M, ST> {
+    sql: &'static str,
+    _types: std::marker::PhantomData<fn() -> (M, ST)>,
+}
+
+impl<M, ST> OnceGuard<M, ST> {
+    /// The guard written as `sql`, [`create_once_guard_sql`] of `M`.
+    pub fn new(sql: &'static str) -> Self {
+        OnceGuard {
+            sql,
+            _types: std::marker::PhantomData,
+        }
     }
 }
 
-/// The guard's call as SQL text. Unlike `diesel::dsl::sql`, which marks its
-/// statement unsafe to prepare, it lets diesel prepare the INSERT once per
-/// connection (its text is fixed per model): preparing is what makes
-/// PostgreSQL keep the plan, and with it the guard's answer, between calls.
-#[doc(hidden)]
-#[derive(Debug, Clone)]
-pub struct OnceGuard<ST> {
-    sql: String,
-    _type: std::marker::PhantomData<ST>,
-}
-
-impl<ST: SingleValue> Expression for OnceGuard<ST> {
+impl<M, ST: SingleValue> Expression for OnceGuard<M, ST> {
     type SqlType = ST;
 }
 
-impl<ST> QueryFragment<Pg> for OnceGuard<ST> {
+impl<M, ST> QueryFragment<Pg> for OnceGuard<M, ST> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(&self.sql);
+        out.push_sql(self.sql);
         Ok(())
     }
 }
 
-impl<ST> QueryId for OnceGuard<ST> {
-    type QueryId = ();
-    // The text differs per model: statements are cached by their SQL.
-    const HAS_STATIC_QUERY_ID: bool = false;
+impl<M: 'static, ST: 'static> QueryId for OnceGuard<M, ST> {
+    type QueryId = std::marker::PhantomData<(M, ST)>;
+    const HAS_STATIC_QUERY_ID: bool = true;
 }
 
-impl<QS, ST: SingleValue> AppearsOnTable<QS> for OnceGuard<ST> {}
+impl<QS, M, ST: SingleValue> AppearsOnTable<QS> for OnceGuard<M, ST> {}
 
-impl<QS, ST: SingleValue> SelectableExpression<QS> for OnceGuard<ST> {}
+impl<QS, M, ST: SingleValue> SelectableExpression<QS> for OnceGuard<M, ST> {}
 
-impl<ST, GB> ValidGrouping<GB> for OnceGuard<ST> {
+impl<M, ST, GB> ValidGrouping<GB> for OnceGuard<M, ST> {
     type IsAggregate = diesel::expression::is_aggregate::Never;
 }
 
