@@ -19,11 +19,12 @@ use raw_http::http;
 
 /// The admin router with actions on, at `/admin` on a loopback port.
 async fn serve(db: &TestDatabase) -> SocketAddr {
+    serve_with(db, AdminConfig::new().actions(true)).await
+}
+
+async fn serve_with(db: &TestDatabase, config: AdminConfig) -> SocketAddr {
     let pool = build_pool(db.url()).expect("pool");
-    let app: axum::Router = axum::Router::new().nest(
-        "/admin",
-        admin::router(pool, AdminConfig::new().actions(true)),
-    );
+    let app: axum::Router = axum::Router::new().nest("/admin", admin::router(pool, config));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -248,4 +249,65 @@ async fn an_empty_page_past_the_end_says_no_rows() {
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert!(reply.body.contains("no rows"), "{}", reply.body);
     assert!(!reply.body.contains("rows 1–1"), "{}", reply.body);
+}
+
+/// One, selected and all-matching actions touch what they name, within a
+/// page: counted in the table.
+#[tokio::test]
+async fn bulk_actions_touch_what_they_name_within_a_page() {
+    let (db, client) = migrated().await;
+    let addr = serve_with(&db, AdminConfig::new().actions(true).page_size(3)).await;
+    let mut refunds = Vec::new();
+    for _ in 0..6 {
+        refunds.push(dead_job(&client, "refund").await);
+    }
+    let other = dead_job(&client, "email").await;
+    // A requeue is refused while a live job of its kind and key exists.
+    client
+        .execute("UPDATE idem_jobs SET key = 'k' || id", &[])
+        .await
+        .expect("distinct keys");
+    let dead_of = |kind: &'static str| {
+        let client = &client;
+        async move {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM idem_jobs WHERE state = 'dead' AND kind = $1",
+                    &[&kind],
+                )
+                .await
+                .expect("counted")
+                .get(0);
+            n
+        }
+    };
+    let post = |form: String| async move {
+        let csrf = token(addr).await;
+        let cookie = format!("idem_admin_csrf={csrf}");
+        http(
+            addr,
+            Method::POST,
+            "/admin/jobs/action",
+            &[("cookie", &cookie), ("content-type", FORM)],
+            &format!("csrf={csrf}&{form}"),
+        )
+        .await
+    };
+    // Four selected and a junk id: the first three (a page) are discarded.
+    let selected: String = refunds[..4].iter().map(|id| format!("&id={id}")).collect();
+    let reply = post(format!("op=discard_selected{selected}&id=x")).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(dead_of("refund").await, 3);
+    // All matching the kind, at most the form's limit.
+    let reply = post("op=requeue_all&kind=refund&limit=2".into()).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(dead_of("refund").await, 1);
+    assert_eq!(dead_of("email").await, 1);
+    // One, by id; an id that is no number names nothing.
+    let reply = post(format!("op=discard:{other}")).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let reply = post("op=discard:x".into()).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(dead_of("email").await, 0);
+    assert_eq!(dead_of("refund").await, 1);
 }

@@ -70,6 +70,49 @@ fn op(form: &Fields) -> Option<Op> {
     }
 }
 
+impl Op {
+    fn verb(&self) -> &'static str {
+        match self {
+            Op::One(v, _) | Op::Selected(v) | Op::All(v) => v,
+        }
+    }
+}
+
+/// The ids an action names, as `parse` reads them: its one id, the ids
+/// selected on the page (at most a page), or the first `limit` of the form
+/// (at most a page) of those `all_matching` lists.
+async fn targets<T, F, Fut>(
+    op: &Op,
+    form: &Fields,
+    page_size: i64,
+    parse: impl Fn(&str) -> Option<T>,
+    all_matching: F,
+) -> Result<Vec<T>, OperateError>
+where
+    F: FnOnce(Page) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<T>, OperateError>>,
+{
+    Ok(match op {
+        Op::One(_, id) => parse(id).into_iter().collect(),
+        Op::Selected(_) => form
+            .all("id")
+            .filter_map(parse)
+            .take(usize::try_from(page_size).unwrap_or(50))
+            .collect(),
+        Op::All(_) => {
+            let n = form
+                .number("limit")
+                .unwrap_or(page_size)
+                .clamp(1, page_size);
+            all_matching(Page {
+                limit: n,
+                offset: 0,
+            })
+            .await?
+        }
+    })
+}
+
 fn result_page(
     admin: &Admin,
     headers: &HeaderMap,
@@ -101,36 +144,25 @@ pub(super) async fn jobs_action(
     let Some(op) = op(&form) else {
         return refuse(StatusCode::BAD_REQUEST, "No such action.");
     };
-    let limit = admin.config.page_size;
     let kind = form.text("kind");
     let kind = Some(kind.as_str()).filter(|k| !k.is_empty());
-    let ids: Vec<i64> = match &op {
-        Op::One(_, id) => id.parse().ok().into_iter().collect(),
-        Op::Selected(_) => form
-            .all("id")
-            .filter_map(|i| i.parse().ok())
-            .take(usize::try_from(limit).unwrap_or(50))
-            .collect(),
-        Op::All(_) => {
-            let n = form.number("limit").unwrap_or(limit).clamp(1, limit);
-            match operate::dead_jobs(
-                &admin.pool,
-                kind,
-                Page {
-                    limit: n,
-                    offset: 0,
-                },
-            )
-            .await
-            {
-                Ok(rows) => rows.into_iter().map(|r| r.id).collect(),
-                Err(e) => return admin.failed(e).await,
-            }
-        }
+    let pool = &admin.pool;
+    let ids = targets(
+        &op,
+        &form,
+        admin.config.page_size,
+        |i| i.parse().ok(),
+        |page| async move {
+            let rows = operate::dead_jobs(pool, kind, page).await?;
+            Ok(rows.into_iter().map(|r| r.id).collect())
+        },
+    )
+    .await;
+    let ids = match ids {
+        Ok(ids) => ids,
+        Err(e) => return admin.failed(e).await,
     };
-    let verb = match op {
-        Op::One(v, _) | Op::Selected(v) | Op::All(v) => v,
-    };
+    let verb = op.verb();
     let mut lines = Vec::new();
     for id in ids {
         let line = if verb == "requeue" {
@@ -171,36 +203,25 @@ pub(super) async fn events_action(
     let Some(op) = op(&form) else {
         return refuse(StatusCode::BAD_REQUEST, "No such action.");
     };
-    let limit = admin.config.page_size;
     let key = form.text("key");
     let key = Some(key.as_str()).filter(|k| !k.is_empty());
-    let ids: Vec<String> = match &op {
-        Op::One(_, id) => vec![id.clone()],
-        Op::Selected(_) => form
-            .all("id")
-            .map(str::to_owned)
-            .take(usize::try_from(limit).unwrap_or(50))
-            .collect(),
-        Op::All(_) => {
-            let n = form.number("limit").unwrap_or(limit).clamp(1, limit);
-            match operate::dead_events(
-                &admin.pool,
-                key,
-                Page {
-                    limit: n,
-                    offset: 0,
-                },
-            )
-            .await
-            {
-                Ok(rows) => rows.into_iter().map(|r| r.id).collect(),
-                Err(e) => return admin.failed(e).await,
-            }
-        }
+    let pool = &admin.pool;
+    let ids = targets(
+        &op,
+        &form,
+        admin.config.page_size,
+        |i| Some(i.to_owned()),
+        |page| async move {
+            let rows = operate::dead_events(pool, key, page).await?;
+            Ok(rows.into_iter().map(|r| r.id).collect())
+        },
+    )
+    .await;
+    let ids = match ids {
+        Ok(ids) => ids,
+        Err(e) => return admin.failed(e).await,
     };
-    let verb = match op {
-        Op::One(v, _) | Op::Selected(v) | Op::All(v) => v,
-    };
+    let verb = op.verb();
     let mut lines = Vec::new();
     for id in ids {
         let done = if verb == "requeue" {

@@ -4,7 +4,7 @@ use axum::extract::{OriginalUri, State};
 use axum::http::header::{CACHE_CONTROL, SET_COOKIE};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{Html, IntoResponse, Response};
-use idem_runtime::operate::{self, OperateError};
+use idem_runtime::operate::{self, OperateError, Page};
 
 use super::request::{base, page, Fields};
 use super::{csrf, pages, refuse, Admin};
@@ -146,7 +146,7 @@ pub(super) async fn jobs(
     };
     let base = base(&original, &uri);
     let token = admin.token(&headers);
-    let mut body = pages::dead_jobs(
+    let body = pages::dead_jobs(
         &base,
         &kind,
         &rows,
@@ -154,19 +154,8 @@ pub(super) async fn jobs(
         admin.config.show_payloads,
         page.limit,
     );
-    body.push_str(&pages::pager(
-        &format!("{base}/jobs?kind={}", pages::query_value(&kind)),
-        page.offset,
-        page.limit,
-        rows.len(),
-    ));
-    Rendered {
-        title: "Dead jobs".into(),
-        body,
-        token,
-        base,
-    }
-    .into_response()
+    let more = format!("{base}/jobs?kind={}", pages::query_value(&kind));
+    paged("Dead jobs", body, &more, page, rows.len(), token, base)
 }
 
 pub(super) async fn events(
@@ -193,21 +182,31 @@ pub(super) async fn events(
     };
     let base = base(&original, &uri);
     let token = admin.token(&headers);
-    let mut body = pages::dead_events(
+    let body = pages::dead_events(
         &base,
         &key,
         &rows,
         token.as_ref().map(|(t, _)| t.as_str()),
         page.limit,
     );
-    body.push_str(&pages::pager(
-        &format!("{base}/events?key={}", pages::query_value(&key)),
-        page.offset,
-        page.limit,
-        rows.len(),
-    ));
+    let more = format!("{base}/events?key={}", pages::query_value(&key));
+    paged("Dead events", body, &more, page, rows.len(), token, base)
+}
+
+/// A list page: `body` with the pager under it (`more` is the list's address
+/// without its offset), in the page frame.
+fn paged(
+    title: &str,
+    mut body: String,
+    more: &str,
+    page: Page,
+    shown: usize,
+    token: Option<(String, bool)>,
+    base: String,
+) -> Response {
+    body.push_str(&pages::pager(more, page.offset, page.limit, shown));
     Rendered {
-        title: "Dead events".into(),
+        title: title.into(),
         body,
         token,
         base,
