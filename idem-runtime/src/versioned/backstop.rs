@@ -348,7 +348,7 @@ fn quote_ident(name: &str) -> String {
 /// Like PostgreSQL's `quote_literal`: single quotes doubled, and an `E''`
 /// string with doubled backslashes when there is a backslash, so the result
 /// means the same whatever `standard_conforming_strings` is.
-fn quote_literal(value: &str) -> String {
+pub(crate) fn quote_literal(value: &str) -> String {
     let quoted = value.replace('\'', "''");
     if quoted.contains('\\') {
         format!("E'{}'", quoted.replace('\\', "\\\\"))

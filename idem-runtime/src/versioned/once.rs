@@ -46,6 +46,7 @@ use diesel::sql_types::SingleValue;
 use diesel::sql_types::{Array, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
+use super::backstop::quote_literal;
 use super::Versioned;
 
 /// What [`Versioned::create_once`] did.
@@ -286,11 +287,10 @@ fn refused<M: CreateOnceModel>(err: DieselError) -> CreateOnceError {
 /// columns; generated code computes it once per model.
 #[doc(hidden)]
 pub fn create_once_guard_sql(table_sql: &str, columns: &[&str]) -> String {
-    let quote = |s: &str| format!("'{}'", s.replace('\'', "''"));
-    let columns: Vec<String> = columns.iter().map(|c| quote(c)).collect();
+    let columns: Vec<String> = columns.iter().map(|c| quote_literal(c)).collect();
     format!(
         "idem_create_once_guard({}::regclass, ARRAY[{}]::text[])",
-        quote(table_sql),
+        quote_literal(table_sql),
         columns.join(", ")
     )
 }
