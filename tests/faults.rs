@@ -198,36 +198,46 @@ async fn a_lost_commit_answer_is_commit_unknown_and_the_key_tells_what_happened(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_lost_on_its_way_is_replayed_and_the_key_runs_once() {
+async fn a_record_lost_on_its_way_is_commit_unknown_and_the_key_runs_once() {
     let env = env(2).await;
-    // Local mode sends its record, then its COMMIT once the record is
-    // answered: cut before the record reaches the server, nothing was
-    // committed and the loop knows it (no COMMIT was sent), so the attempt is
-    // replayed on a fresh connection and commits, once.
+    // Local mode sends its record in the same message as its COMMIT: cut
+    // before it reaches the server, nothing was committed, but the loop
+    // cannot know whether the COMMIT arrived, as for any lost COMMIT.
     env.proxy.arm(RECORD, Fault::CutBefore);
-    let result = write_once(&env.pool, "lost-record", "lost")
-        .await
-        .expect("replayed on a fresh connection");
-    assert!(!result.replayed);
+    let result = write_once(&env.pool, "lost-record", "lost").await;
+    assert!(
+        matches!(
+            result,
+            Err(AppError::Idem(idem::Error::CommitUnknown { .. }))
+        ),
+        "{result:?}"
+    );
     assert_eq!(env.proxy.fired(), 1);
+    assert_eq!(env.effects("lost").await, 0, "nothing reached the server");
+    assert_eq!(env.record("lost-record").await, None);
+    // The key says what happened: the same call again runs, once.
+    let again = write_once(&env.pool, "lost-record", "lost")
+        .await
+        .expect("runs again");
+    assert!(!again.replayed);
     assert_eq!(env.effects("lost").await, 1, "one effect, once");
     assert_eq!(
         env.record("lost-record").await,
         Some(("completed".to_owned(), Some("ok".to_owned())))
     );
-    // The same key again is a replay.
-    let again = write_once(&env.pool, "lost-record", "lost")
+    let replay = write_once(&env.pool, "lost-record", "lost")
         .await
         .expect("a replay");
-    assert!(again.replayed);
+    assert!(replay.replayed);
     assert_eq!(env.effects("lost").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_final_error_is_stored_through_a_dropped_connection_and_answered_as_itself() {
+async fn a_final_error_is_answered_as_itself_when_its_record_is_lost_on_its_way() {
     let env = env(2).await;
     // The attempt that stores the decline loses its connection before the
-    // record reaches the server: replayed on a fresh one, within the budget.
+    // record (with its COMMIT) reaches the server: the decline is still the
+    // answer (the body's writes were rolled back either way), unrecorded.
     env.proxy.arm(RECORD, Fault::CutBefore);
     let result = decline(&env.pool, "d-1", "declined").await;
     assert!(
@@ -235,14 +245,21 @@ async fn a_final_error_is_stored_through_a_dropped_connection_and_answered_as_it
         "{result:?}"
     );
     assert_eq!(env.proxy.fired(), 1);
-    assert_eq!(
-        env.record("d-1").await,
-        Some(("completed".to_owned(), Some("error".to_owned())))
-    );
+    assert_eq!(env.record("d-1").await, None, "nothing reached the server");
     assert_eq!(
         env.effects("declined").await,
         0,
         "the body's writes rolled back"
+    );
+    // Called again, it runs and declines again, and this time is stored.
+    let again = decline(&env.pool, "d-1", "declined").await;
+    assert!(
+        matches!(again, Err(AppError::Declined(Declined::Refused))),
+        "{again:?}"
+    );
+    assert_eq!(
+        env.record("d-1").await,
+        Some(("completed".to_owned(), Some("error".to_owned())))
     );
     let replay = decline(&env.pool, "d-1", "declined").await;
     assert!(

@@ -13,6 +13,7 @@ pub mod operate;
 pub mod outbox;
 pub mod pool;
 pub mod retry;
+mod sql;
 mod standby;
 mod tx;
 pub mod versioned;

@@ -41,7 +41,7 @@ use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use tokio_postgres::config::{Host, SslMode, SslNegotiation};
 
-pub(crate) use wire::{Marks, Refusal, Wire};
+pub(crate) use wire::{MalformedRow, Marks, Refusal, Row, Wire};
 
 /// Ask for the server's messages in the C locale, where the server lets us.
 ///
@@ -243,6 +243,11 @@ impl Connection {
     /// What the server has said on this connection.
     pub(crate) fn wire(&self) -> &Wire {
         &self.wire
+    }
+
+    /// The same, shared (it outlives a borrow of the connection).
+    pub(crate) fn wire_arc(&self) -> Arc<Wire> {
+        Arc::clone(&self.wire)
     }
 
     /// Its pool's [`Replication`].

@@ -25,6 +25,7 @@ mod derived_keys;
 mod external;
 mod held_commit;
 mod hostile;
+mod literals;
 mod local;
 mod malformed;
 mod one_write;

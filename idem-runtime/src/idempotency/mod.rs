@@ -42,6 +42,7 @@ mod admin;
 mod cache;
 mod call;
 pub mod fingerprint;
+mod local;
 mod request;
 mod store;
 

@@ -7,17 +7,15 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use futures_util::future::{try_join, BoxFuture};
-use futures_util::{FutureExt, TryFutureExt};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::store::{Claim, ClaimOrRead, Complete, Identity, Lock, Outcome, Read, State};
+use super::local::{Completing, LockAndRead};
+use super::store::{Claim, ClaimOrRead, Identity, Outcome, Read, State};
 use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode, MAX_STORED_DEPTH,
 };
 use crate::error::{Error, Unstorable};
-use crate::tx::Pipelined;
 
 /// One idempotent request, validated.
 #[derive(Debug, Clone)]
@@ -35,16 +33,16 @@ pub struct Request {
 /// A row of `idem_requests` as a request reads it.
 #[derive(Queryable)]
 pub(crate) struct Stored {
-    operation: String,
-    fingerprint: Vec<u8>,
-    state: String,
-    outcome: Option<String>,
-    response: Option<serde_json::Value>,
-    lease_expired: Option<bool>,
-    expired: bool,
-    owner: Option<Vec<u8>>,
+    pub(super) operation: String,
+    pub(super) fingerprint: Vec<u8>,
+    pub(super) state: String,
+    pub(super) outcome: Option<String>,
+    pub(super) response: Option<serde_json::Value>,
+    pub(super) lease_expired: Option<bool>,
+    pub(super) expired: bool,
+    pub(super) owner: Option<Vec<u8>>,
     /// What is left of its retention, in ms (the database's clock).
-    remaining_ms: i64,
+    pub(super) remaining_ms: i64,
 }
 
 /// What a record means for a request.
@@ -131,7 +129,7 @@ impl Request {
     }
 
     /// The columns that name this request's record.
-    fn identity(&self) -> Identity<'_> {
+    pub(super) fn identity(&self) -> Identity<'_> {
         Identity {
             scope: &self.scope.hash,
             scope_label: self.scope.label.as_deref(),
@@ -184,7 +182,7 @@ impl Request {
     /// (the advisory lock of this scope and key, held to the end of the
     /// transaction), then read the record. See [`LockAndRead`].
     pub(crate) fn lock_and_read(&self) -> LockAndRead<'_> {
-        LockAndRead(self)
+        LockAndRead::new(self)
     }
 
     /// Local mode's last statement: the completed record (the request's one
@@ -196,13 +194,7 @@ impl Request {
         takeover: bool,
         returning: bool,
     ) -> Completing<'a> {
-        Completing {
-            request: self,
-            outcome,
-            response,
-            takeover,
-            returning,
-        }
+        Completing::new(self, outcome, response, takeover, returning)
     }
 
     /// The operation the record is made for.
@@ -219,7 +211,7 @@ impl Request {
 
     /// The advisory lock of this scope and key: the first 8 bytes of their
     /// SHA-256 (the domain keeps it apart from other users of the digest).
-    fn lock_key(&self) -> i64 {
+    pub(super) fn lock_key(&self) -> i64 {
         lock_key(&self.scope.hash, &self.key)
     }
 
@@ -276,77 +268,6 @@ impl Request {
         storable(&response, self.config.max_response_bytes)
             .map_err(Error::Unstorable)
             .map(|()| response)
-    }
-}
-
-/// The advisory lock and the read of a local request's record, sent
-/// together (one round trip, behind `BEGIN` when the attempt opens with
-/// them), the lock first: the read, a later statement, sees a record a
-/// duplicate committed while this one waited (READ COMMITTED; under a
-/// snapshot isolation [`Complete`] finds it instead). Joined in order (see
-/// [`crate::tx`]'s pipelining), so the lock is sent first even when Tokio's
-/// budget holds it back a poll.
-pub(crate) struct LockAndRead<'r>(&'r Request);
-
-impl Pipelined for LockAndRead<'_> {
-    type Output = Option<Stored>;
-
-    fn send<'c>(
-        &'c self,
-        conn: &'c AsyncPgConnection,
-    ) -> BoxFuture<'c, QueryResult<Option<Stored>>> {
-        let request = self.0;
-        async move {
-            let (mut lock_on, mut read_on) = (conn, conn);
-            let lock = Lock {
-                key: request.lock_key(),
-            }
-            .execute(&mut lock_on);
-            let read = Read {
-                scope: &request.scope.hash,
-                key: &request.key,
-            }
-            .get_result::<Stored>(&mut read_on);
-            let (_, stored) = try_join(lock, async { read.await.optional() }).await?;
-            Ok(stored)
-        }
-        .boxed()
-    }
-}
-
-/// A local request's completed record, to send with `COMMIT`. It writes its
-/// row or fails (see [`Complete`]); with `returning`, the response comes back
-/// as stored (for a replay cache).
-pub(crate) struct Completing<'a> {
-    request: &'a Request,
-    outcome: Outcome,
-    response: &'a serde_json::Value,
-    /// The read found an expired record to take over (see [`Complete`]).
-    takeover: bool,
-    returning: bool,
-}
-
-impl Pipelined for Completing<'_> {
-    type Output = Option<serde_json::Value>;
-
-    fn send<'c>(
-        &'c self,
-        conn: &'c AsyncPgConnection,
-    ) -> BoxFuture<'c, QueryResult<Option<serde_json::Value>>> {
-        let statement = Complete {
-            identity: self.request.identity(),
-            outcome: self.outcome,
-            response: self.response,
-            ttl_micros: micros(self.request.config.ttl),
-            takeover: self.takeover,
-            returning: self.returning,
-        };
-        let mut on = conn;
-        if self.returning {
-            statement.get_result(&mut on).map_ok(Some).boxed()
-        } else {
-            statement.execute(&mut on).map_ok(|_| None).boxed()
-        }
     }
 }
 

@@ -1,15 +1,26 @@
 //! Every statement on `idem_requests`, each written once. Those on every
-//! request (local: lock, read and complete; external: claim-or-read, read and
-//! record) are fixed query fragments, so
-//! diesel caches their prepared statements (its `INSERT .. ON CONFLICT DO
-//! UPDATE` and `UPDATE` builders are not cached); the rare ones (release,
-//! mark unknown, settle, purge) use the query builder. Every value travels
-//! as a bind parameter: no key, scope or response is ever formatted into SQL.
+//! request of external mode (claim-or-read, read and record) are fixed
+//! query fragments, so diesel caches their prepared statements (its `INSERT
+//! .. ON CONFLICT DO UPDATE` and `UPDATE` builders are not cached), every
+//! value a bind parameter; the rare ones (release, mark unknown, settle,
+//! purge) use the query builder.
+//!
+//! Local mode's statements ride on the transaction's `BEGIN` and `COMMIT`
+//! (see [`crate::tx`]), which are simple queries: the lock and the read
+//! are one call of `idem_local_open` (migration 17), and [`Complete`] is SQL
+//! text, both with their values written in as literals ([`crate::sql`]:
+//! quotes doubled, backslashes in an `E''` string, bytes in hex). Every
+//! value is one the request validated (a key has no control characters, a
+//! response no U+0000) or one idem made (hashes, numbers).
+
+use std::fmt::Write;
 
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{BigInt, Binary, Bool, Jsonb, Nullable, Text};
 use diesel::QueryResult;
+
+use crate::sql::{push_bytea, push_literal};
 
 /// What is left of a record's retention, in whole milliseconds (negative
 /// once expired), as the database's clock sees it: a replay cache keeps an
@@ -93,6 +104,22 @@ impl<'a> Identity<'a> {
         out.push_bind_param::<Text, _>(self.operation)?;
         out.push_sql(", ");
         out.push_bind_param::<Binary, _>(self.fingerprint)
+    }
+
+    /// The same values as literals, in the same order.
+    fn push_literals(&self, out: &mut String) {
+        push_literal(out, self.scope);
+        out.push_str(", ");
+        match self.scope_label {
+            Some(label) => push_literal(out, label),
+            None => out.push_str("NULL"),
+        }
+        out.push_str(", ");
+        push_literal(out, self.key);
+        out.push_str(", ");
+        push_literal(out, self.operation);
+        out.push_str(", ");
+        push_bytea(out, self.fingerprint);
     }
 }
 
@@ -219,7 +246,7 @@ impl QueryFragment<Pg> for Record<'_> {
 /// Local mode: the one write of a new request, sent with `COMMIT` (in one
 /// round trip): the completed record, inserted (or taking over a record
 /// whose retention ended). Duplicates never reach it concurrently, as they
-/// queue on [`Lock`] first. It never writes nothing, so that the `COMMIT`
+/// queue on the advisory lock first. It never writes nothing, so that the `COMMIT`
 /// behind it cannot commit the body without it: a record of the key that
 /// appeared after the read (an external claim, which does not queue on the
 /// lock, or under a snapshot isolation a duplicate committed after the
@@ -239,32 +266,40 @@ pub(crate) struct Complete<'a> {
     pub(crate) returning: bool,
 }
 
-impl QueryFragment<Pg> for Complete<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("INSERT INTO idem_requests AS r (");
-        out.push_sql(Identity::COLUMNS);
-        out.push_sql(", mode, state, outcome, response, expires_at) VALUES (");
-        self.identity.push_values(&mut out)?;
-        out.push_sql(", 'local', 'completed', ");
-        out.push_bind_param::<Text, _>(self.outcome.as_str())?;
-        out.push_sql("::idem_request_outcome, ");
-        out.push_bind_param::<Jsonb, _>(self.response)?;
-        out.push_sql(", now() + ");
-        out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
-        out.push_sql(" * interval '1 microsecond')");
-        if !self.takeover {
-            return push_returning(self.returning, out);
-        }
-        out.push_sql(
-            " ON CONFLICT (scope, key) DO UPDATE SET \
-             scope_label = excluded.scope_label, operation = excluded.operation, \
-             fingerprint = excluded.fingerprint, mode = excluded.mode, \
-             owner = NULL, outcome = excluded.outcome, response = excluded.response, \
-             created_at = now(), updated_at = now(), expires_at = excluded.expires_at, \
-             lease_until = NULL, state = CASE WHEN r.state = 'completed' AND r.expires_at <= now() \
-             THEN 'completed' ELSE idem_record_taken()::idem_request_state END",
+impl Complete<'_> {
+    /// The statement as simple-query text (it rides on `COMMIT`).
+    pub(crate) fn sql(&self) -> String {
+        let response = self.response.to_string();
+        let mut out = String::with_capacity(640 + response.len() + self.identity.key.len());
+        out.push_str("INSERT INTO idem_requests AS r (");
+        out.push_str(Identity::COLUMNS);
+        out.push_str(", mode, state, outcome, response, expires_at) VALUES (");
+        self.identity.push_literals(&mut out);
+        out.push_str(", 'local', 'completed', '");
+        out.push_str(self.outcome.as_str());
+        out.push_str("', ");
+        push_literal(&mut out, &response);
+        let _ = write!(
+            out,
+            "::jsonb, now() + {} * interval '1 microsecond')",
+            self.ttl_micros
         );
-        push_returning(self.returning, out)
+        if self.takeover {
+            out.push_str(
+                " ON CONFLICT (scope, key) DO UPDATE SET \
+                 scope_label = excluded.scope_label, operation = excluded.operation, \
+                 fingerprint = excluded.fingerprint, mode = excluded.mode, \
+                 owner = NULL, outcome = excluded.outcome, response = excluded.response, \
+                 created_at = now(), updated_at = now(), expires_at = excluded.expires_at, \
+                 lease_until = NULL, state = CASE WHEN r.state = 'completed' AND r.expires_at <= now() \
+                 THEN 'completed' ELSE idem_record_taken()::idem_request_state END",
+            );
+        }
+        if self.returning {
+            // As text: a simple query's rows are text whatever the type.
+            out.push_str(" RETURNING response::text");
+        }
+        out
     }
 }
 
@@ -298,33 +333,8 @@ fn push_returning(returning: bool, mut out: AstPass<'_, '_, Pg>) -> QueryResult<
     Ok(())
 }
 
-impl Query for Complete<'_> {
-    type SqlType = Jsonb;
-}
-
 impl Query for Record<'_> {
     type SqlType = Jsonb;
-}
-
-/// Local mode: duplicates of one key queue here, for the rest of the
-/// transaction. `key` is a 64-bit hash of scope and key: a collision only
-/// makes two unrelated requests wait for each other.
-pub(crate) struct Lock {
-    pub(crate) key: i64,
-}
-
-impl QueryFragment<Pg> for Lock {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("SELECT pg_advisory_xact_lock(");
-        out.push_bind_param::<BigInt, _>(&self.key)?;
-        out.push_sql(")");
-        Ok(())
-    }
-}
-
-impl QueryId for Lock {
-    type QueryId = ();
-    const HAS_STATIC_QUERY_ID: bool = false;
 }
 
 /// Read the record of a key, with whether its lease and its retention ran out.
@@ -371,7 +381,7 @@ macro_rules! cacheable_by_sql {
         }
     )*};
 }
-cacheable_by_sql!(ClaimOrRead, Record, Read, Complete);
+cacheable_by_sql!(ClaimOrRead, Record, Read);
 
 /// Release a claim that is not completed (its request never left, or an
 /// operator found the target did nothing): the key is new again. `$3`: the

@@ -28,8 +28,9 @@
 use std::collections::VecDeque;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -37,12 +38,21 @@ use tokio::sync::Notify;
 use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream};
 use tokio_postgres::Socket;
 
+mod frame;
+mod ride;
+
+use frame::{fatal, sqlstate, Framer, KEPT};
+pub(crate) use ride::{MalformedRow, Row};
+
 /// How a connection's transaction stands, as the server last said.
 #[derive(Debug, Default)]
 pub(crate) struct Wire {
     state: Mutex<State>,
     /// Woken at every `ReadyForQuery`, and when the socket ends.
     answered: Notify,
+    /// Something rides on the next request ([`Wire::ride`]): the cheap test
+    /// that keeps the stream's common path from taking the lock for it.
+    riding: AtomicBool,
 }
 
 /// Counts of transaction control on a connection: compared before and after
@@ -99,6 +109,8 @@ struct State {
     sent: VecDeque<Instant>,
     /// When the last `ReadyForQuery` arrived.
     answered: Option<Instant>,
+    /// What rides on the next request.
+    ride: ride::Ride,
 }
 
 impl Wire {
@@ -116,6 +128,26 @@ impl Wire {
     /// The refusal that failed the current (or just ended) transaction.
     pub(crate) fn abort(&self) -> Option<Refusal> {
         self.state().abort
+    }
+
+    /// Ride `prefix` (SQL text) in front of the next `Query` message written,
+    /// in the same message, and, when `capture`, keep the rows of the next
+    /// request's last result (see [`ride`]). Armed before the request is
+    /// sent; [`Wire::unride`] ends it.
+    pub(crate) fn ride(&self, prefix: Option<Vec<u8>>, capture: bool) {
+        self.state().ride.arm(prefix, capture);
+        self.riding.store(true, Ordering::Release);
+    }
+
+    /// Stop riding; the captured rows, once their request was answered.
+    pub(crate) fn unride(&self) -> Option<Result<Vec<Row>, MalformedRow>> {
+        let rows = self.state().ride.disarm();
+        self.riding.store(false, Ordering::Release);
+        rows
+    }
+
+    fn riding(&self) -> bool {
+        self.riding.load(Ordering::Acquire)
     }
 
     /// The refusal of the request still being answered, if any.
@@ -168,6 +200,8 @@ impl Wire {
     fn on_sent(&self, requests: usize) {
         let now = Instant::now();
         let mut state = self.state();
+        let before = state.sent.len();
+        state.ride.on_request(before);
         state.sent.extend(std::iter::repeat_n(now, requests));
     }
 
@@ -198,6 +232,7 @@ impl Wire {
     fn on_ready(&self, status: u8) {
         let mut state = self.state();
         state.sent.pop_front();
+        state.ride.on_ready();
         state.answered = Some(Instant::now());
         if state.status == b'I' && status != b'I' {
             state.refusals.clear();
@@ -227,126 +262,27 @@ impl Wire {
         }
     }
 
+    fn on_description(&self) {
+        if self.riding() {
+            self.state().ride.on_description();
+        }
+    }
+
+    fn on_row(&self, body: &[u8]) {
+        if self.riding() {
+            self.state().ride.on_row(body);
+        }
+    }
+
+    /// Whether `DataRow` bodies are to be kept whole, for a capture.
+    fn keeps_rows(&self) -> bool {
+        self.riding() && self.state().ride.capturing()
+    }
+
     fn on_closed(&self) {
         self.state().closed = true;
         self.answered.notify_waiters();
     }
-}
-
-/// Longest message body kept to be read (`ErrorResponse` is the longest of
-/// the three it reads; its SQLSTATE comes first in PostgreSQL's answers).
-const KEPT: usize = 4096;
-
-/// Splits a byte stream into protocol messages: a type byte (none for the
-/// frontend's first, the startup message), a length that counts itself, a
-/// body.
-#[derive(Debug)]
-struct Framer {
-    header: [u8; 5],
-    have: usize,
-    /// The next message has no type byte.
-    untyped: bool,
-    left: usize,
-    kind: u8,
-    body: Vec<u8>,
-    keep: fn(u8) -> bool,
-}
-
-impl Framer {
-    fn new(untyped_first: bool, keep: fn(u8) -> bool) -> Framer {
-        Framer {
-            header: [0; 5],
-            have: 0,
-            untyped: untyped_first,
-            left: 0,
-            kind: 0,
-            body: Vec::new(),
-            keep,
-        }
-    }
-
-    /// Feed `bytes`; `done` gets each whole message's type and kept body.
-    fn feed(&mut self, mut bytes: &[u8], mut done: impl FnMut(u8, &[u8])) {
-        while !bytes.is_empty() {
-            if self.left == 0 && self.have < self.header_len() {
-                let n = (self.header_len() - self.have).min(bytes.len());
-                self.header[self.have..self.have + n].copy_from_slice(&bytes[..n]);
-                self.have += n;
-                bytes = &bytes[n..];
-                if self.have < self.header_len() {
-                    return;
-                }
-                let (kind, len) = if self.untyped {
-                    (0, &self.header[..4])
-                } else {
-                    (self.header[0], &self.header[1..5])
-                };
-                let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
-                self.kind = kind;
-                self.left = len.saturating_sub(4);
-                self.body.clear();
-                if self.left == 0 {
-                    self.finish(&mut done);
-                }
-                continue;
-            }
-            let n = self.left.min(bytes.len());
-            if (self.keep)(self.kind) && self.body.len() < KEPT {
-                let room = (KEPT - self.body.len()).min(n);
-                self.body.extend_from_slice(&bytes[..room]);
-            }
-            self.left -= n;
-            bytes = &bytes[n..];
-            if self.left == 0 {
-                self.finish(&mut done);
-            }
-        }
-    }
-
-    fn header_len(&self) -> usize {
-        if self.untyped {
-            4
-        } else {
-            5
-        }
-    }
-
-    fn finish(&mut self, done: &mut impl FnMut(u8, &[u8])) {
-        if !self.untyped {
-            done(self.kind, &self.body);
-        }
-        self.untyped = false;
-        self.have = 0;
-    }
-}
-
-/// A field of an `ErrorResponse` body (fields: a type byte and a
-/// NUL-terminated string each, then a NUL).
-fn field(body: &[u8], wanted: u8) -> Option<&[u8]> {
-    let mut rest = body;
-    while let Some((&kind, tail)) = rest.split_first() {
-        if kind == 0 {
-            return None;
-        }
-        let end = tail.iter().position(|&b| b == 0)?;
-        if kind == wanted {
-            return Some(&tail[..end]);
-        }
-        rest = &tail[end + 1..];
-    }
-    None
-}
-
-/// The SQLSTATE of an `ErrorResponse` body.
-fn sqlstate(body: &[u8]) -> Option<[u8; 5]> {
-    field(body, b'C')?.try_into().ok()
-}
-
-/// Whether an `ErrorResponse` ends the session: its severity (`V`, never
-/// translated; `S` before PostgreSQL 9.6) is FATAL or PANIC.
-fn fatal(body: &[u8]) -> bool {
-    let severity = field(body, b'V').or_else(|| field(body, b'S'));
-    matches!(severity, Some(b"FATAL" | b"PANIC"))
 }
 
 /// A connection's stream, read and written through, with what it says
@@ -356,6 +292,10 @@ pub(crate) struct Observed<S> {
     wire: Arc<Wire>,
     backend: Framer,
     frontend: Framer,
+    /// A rewritten message (a statement riding on `COMMIT`) not yet all
+    /// written to the socket, and how much of it is.
+    owed: Vec<u8>,
+    owed_at: usize,
 }
 
 impl<S> Observed<S> {
@@ -363,15 +303,24 @@ impl<S> Observed<S> {
         Observed {
             inner,
             wire,
-            backend: Framer::new(false, |kind| matches!(kind, b'Z' | b'E' | b'C')),
-            frontend: Framer::new(true, |_| false),
+            backend: Framer::new(false),
+            frontend: Framer::new(true),
+            owed: Vec::new(),
+            owed_at: 0,
         }
     }
 
     fn read(&mut self, bytes: &[u8]) {
         let wire = &self.wire;
-        self.backend.feed(bytes, |kind, body| match kind {
+        let keep = |kind| match kind {
+            b'Z' | b'E' | b'C' => KEPT,
+            b'D' if wire.keeps_rows() => usize::MAX,
+            _ => 0,
+        };
+        self.backend.feed(bytes, keep, |kind, body| match kind {
             b'Z' => wire.on_ready(body.first().copied().unwrap_or(0)),
+            b'T' => wire.on_description(),
+            b'D' => wire.on_row(body),
             b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), fatal(body)),
             b'C' => wire.on_complete(body.strip_suffix(&[0]).unwrap_or(body)),
             _ => {}
@@ -380,14 +329,98 @@ impl<S> Observed<S> {
 
     fn written(&mut self, bytes: &[u8]) {
         let mut requests = 0;
-        self.frontend.feed(bytes, |kind, _| {
-            if matches!(kind, b'Q' | b'S') {
-                requests += 1;
-            }
-        });
+        self.frontend.feed(
+            bytes,
+            |_| 0,
+            |kind, _| {
+                if matches!(kind, b'Q' | b'S') {
+                    requests += 1;
+                }
+            },
+        );
         if requests > 0 {
             self.wire.on_sent(requests);
         }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> Observed<S> {
+    /// Write what is owed of a rewritten message first.
+    fn poll_owed(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.owed_at < self.owed.len() {
+            match Pin::new(&mut self.inner).poll_write(cx, &self.owed[self.owed_at..]) {
+                Poll::Ready(Ok(0)) => {
+                    self.wire.on_closed();
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                Poll::Ready(Ok(n)) => self.owed_at += n,
+                Poll::Ready(Err(e)) => {
+                    self.wire.on_closed();
+                    return Poll::Ready(Err(e));
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        self.owed.clear();
+        self.owed_at = 0;
+        Poll::Ready(Ok(()))
+    }
+
+    /// When a statement is to ride on the next `Query` (see [`ride`]): the
+    /// first `Query` that starts in `buf` is taken, with what precedes it
+    /// (a `Close` of a statement diesel-async dropped, say), and owed with
+    /// the statement written in front of its text. Returns how much of `buf`
+    /// was taken; `None` when `buf` holds no `Query`'s start (it is written
+    /// as it is, and the statement still waits). A `Query` this write does
+    /// not hold whole fails the write (tokio-postgres always writes whole
+    /// messages), so that it cannot go out without what rides on it.
+    fn ride_on(&mut self, buf: &[u8]) -> io::Result<Option<usize>> {
+        if !self.wire.state().ride.has_prefix() {
+            return Ok(None);
+        }
+        let Some(mut at) = self.frontend.next_start(buf) else {
+            return Ok(None);
+        };
+        loop {
+            let Some(rest) = buf.get(at..).filter(|rest| !rest.is_empty()) else {
+                return Ok(None);
+            };
+            let whole = rest
+                .get(1..5)
+                .map(|len| 1 + u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize)
+                .filter(|&n| n >= 5 && rest.len() >= n);
+            match (rest[0], whole) {
+                (b'Q', Some(n)) => {
+                    let Some(prefix) = self.wire.state().ride.take_prefix() else {
+                        return Ok(None);
+                    };
+                    let mut owed = buf[..at].to_vec();
+                    owed.extend(ride::prefixed(&prefix, &rest[5..n]));
+                    return Ok(Some(self.owe(buf, owed, at + n)));
+                }
+                (_, Some(n)) => at += n,
+                // What precedes a message this write does not hold whole.
+                (_, None) if at > 0 => {
+                    let owed = buf[..at].to_vec();
+                    return Ok(Some(self.owe(buf, owed, at)));
+                }
+                (b'Q', None) => {
+                    self.wire.on_closed();
+                    return Err(io::Error::other(
+                        "idem: a statement to ride on COMMIT met a query not written whole; the connection is closed before anything commits",
+                    ));
+                }
+                (_, None) => return Ok(None),
+            }
+        }
+    }
+
+    /// Owe `owed` in place of `buf[..taken]`, which the framer reads.
+    fn owe(&mut self, buf: &[u8], owed: Vec<u8>, taken: usize) -> usize {
+        self.owed = owed;
+        self.owed_at = 0;
+        self.written(&buf[..taken]);
+        taken
     }
 }
 
@@ -417,6 +450,18 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if let Err(e) = ready!(this.poll_owed(cx)) {
+            return Poll::Ready(Err(e));
+        }
+        if this.wire.riding() {
+            if let Some(taken) = this.ride_on(buf)? {
+                // Sent now if the socket takes it; owed (and flushed) if not.
+                if let Poll::Ready(Err(e)) = this.poll_owed(cx) {
+                    return Poll::Ready(Err(e));
+                }
+                return Poll::Ready(Ok(taken));
+            }
+        }
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
         match &polled {
             Poll::Ready(Ok(n)) => this.written(&buf[..*n]),
@@ -427,11 +472,15 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        ready!(this.poll_owed(cx))?;
+        Pin::new(&mut this.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        let this = self.get_mut();
+        ready!(this.poll_owed(cx))?;
+        Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
 
@@ -467,132 +516,4 @@ impl TlsConnect<Socket> for Observe {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn message(kind: u8, body: &[u8]) -> Vec<u8> {
-        let mut m = vec![kind];
-        m.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
-        m.extend_from_slice(body);
-        m
-    }
-
-    fn error(code: &[u8; 5]) -> Vec<u8> {
-        let mut body = b"SERROR\0C".to_vec();
-        body.extend_from_slice(code);
-        body.extend_from_slice(b"\0Mboom\0\0");
-        message(b'E', &body)
-    }
-
-    fn observed() -> Observed<()> {
-        Observed::new((), Arc::new(Wire::default()))
-    }
-
-    #[test]
-    fn a_failed_transaction_and_its_cause_are_read_one_byte_at_a_time() {
-        let mut o = observed();
-        let mut stream = message(b'Z', b"T");
-        stream.extend(message(b'D', &[7; 300]));
-        stream.extend(error(b"55P03"));
-        stream.extend(message(b'Z', b"E"));
-        // A later refusal in the failed transaction does not replace the cause.
-        stream.extend(error(b"25P02"));
-        stream.extend(message(b'Z', b"E"));
-        for byte in stream.chunks(1) {
-            o.read(byte);
-        }
-        assert!(o.wire.unfinished());
-        assert_eq!(o.wire.abort().map(|r| r.code), Some(*b"55P03"));
-        // COMMIT of a failed transaction: the server says ROLLBACK.
-        o.read(&message(b'C', b"ROLLBACK\0"));
-        o.read(&message(b'Z', b"I"));
-        assert_eq!(o.wire.rollbacks(), 1);
-        assert!(!o.wire.unfinished());
-        // The cause is kept past the rollback, for the loop to read.
-        assert_eq!(o.wire.abort().map(|r| r.code), Some(*b"55P03"));
-    }
-
-    #[test]
-    fn a_rollback_to_a_savepoint_clears_the_failure() {
-        let mut o = observed();
-        o.read(&message(b'Z', b"T"));
-        let mut stream = error(b"22012");
-        stream.extend(message(b'Z', b"E"));
-        stream.extend(message(b'C', b"ROLLBACK\0"));
-        stream.extend(message(b'Z', b"T"));
-        o.read(&stream);
-        assert!(!o.wire.unfinished());
-        assert_eq!(o.wire.abort(), None);
-    }
-
-    #[test]
-    fn requests_are_counted_from_the_startup_message_on() {
-        let mut o = observed();
-        // Startup (untyped), then a Parse/Bind/Execute/Sync and a Query.
-        let mut out = 12u32.to_be_bytes().to_vec();
-        out.extend_from_slice(&[0, 3, 0, 0, 0, 0, 0, 0]);
-        out.extend(message(b'P', b"\0SELECT 1\0\0\0"));
-        out.extend(message(b'S', b""));
-        out.extend(message(b'Q', b"COMMIT\0"));
-        for chunk in out.chunks(3) {
-            o.written(chunk);
-        }
-        assert_eq!(o.wire.state().sent.len(), 2);
-        let still_owed = tokio::time::Duration::from_millis(1);
-        o.read(&message(b'Z', b"T"));
-        assert!(!block_on(o.wire.idle(still_owed)));
-        o.read(&message(b'Z', b"I"));
-        assert!(block_on(o.wire.idle(still_owed)));
-    }
-
-    fn block_on<F: std::future::Future>(f: F) -> F::Output {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-            .block_on(f)
-    }
-
-    #[test]
-    fn transaction_control_is_counted() {
-        let mut o = observed();
-        o.read(&message(b'C', b"BEGIN\0"));
-        o.read(&message(b'Z', b"T"));
-        let begun = o.wire.marks();
-        // A savepoint rolled back: no transaction ended.
-        o.read(&message(b'C', b"ROLLBACK\0"));
-        o.read(&message(b'Z', b"T"));
-        assert_eq!(o.wire.marks().since(begun), None);
-        // COMMIT AND CHAIN: committed, still in a transaction.
-        o.read(&message(b'C', b"COMMIT\0"));
-        o.read(&message(b'Z', b"T"));
-        assert_eq!(o.wire.marks().since(begun), Some(true));
-        // A ROLLBACK then a BEGIN in one simple query: ended, nothing kept.
-        let before = o.wire.marks();
-        o.read(&message(b'C', b"ROLLBACK\0"));
-        o.read(&message(b'C', b"BEGIN\0"));
-        o.read(&message(b'Z', b"T"));
-        assert_eq!(o.wire.marks().since(before), Some(false));
-        // Ended by the server: idle.
-        let before = o.wire.marks();
-        o.read(&message(b'Z', b"I"));
-        assert_eq!(o.wire.marks().since(before), Some(false));
-    }
-
-    #[test]
-    fn a_fatal_error_ends_the_connection() {
-        let mut o = observed();
-        o.read(&message(b'Z', b"T"));
-        assert!(!o.wire.closed());
-        o.read(&message(b'E', b"SFATAL\0VFATAL\0C57P01\0Mterminating\0\0"));
-        assert!(o.wire.closed() && o.wire.unfinished());
-        assert_eq!(o.wire.pending().map(|r| r.code), Some(*b"57P01"));
-    }
-
-    #[test]
-    fn sqlstate_is_the_c_field() {
-        assert_eq!(sqlstate(&error(b"40P01")[5..]), Some(*b"40P01"));
-        assert_eq!(sqlstate(b"SERROR\0\0"), None);
-        assert_eq!(sqlstate(b"Cabc"), None);
-    }
-}
+mod tests;

@@ -22,7 +22,7 @@ use deadpool::managed::TimeoutType;
 use super::{Isolation, RetryCause, Transient};
 use crate::error::Error;
 use crate::pool::{Pool, PoolError};
-use crate::tx::{Closing, CommitFailure, Pipelined, Timeouts, Tx};
+use crate::tx::{simple_query, Closing, CommitFailure, Last, Opening as First, Timeouts, Tx};
 
 /// How an attempt begins its transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,46 +130,57 @@ impl Attempt {
     /// was deferred.
     pub async fn open(&mut self) -> Result<&mut AsyncPgConnection, Error> {
         if self.tx.is_none() {
-            self.begin_deferred().await?;
+            self.begin_deferred(None).await?;
         }
         Ok(self.conn())
     }
 
-    /// Run `first` as the attempt's first statements, beginning its
-    /// transaction first when it was deferred.
-    pub(crate) async fn open_with<P: Pipelined>(
+    /// Run `first` as the attempt's first statements: sent with its `BEGIN`
+    /// when its transaction was deferred (no round trip of their own), on
+    /// their own otherwise.
+    pub(crate) async fn open_with<F: First>(
         &mut self,
-        first: &P,
-    ) -> Result<QueryResult<P::Output>, Error> {
-        let conn: &AsyncPgConnection = self.open().await?;
-        Ok(first.send(conn).await)
+        first: &F,
+    ) -> Result<QueryResult<F::Output>, Error> {
+        let sql = match first.sql().and_then(simple_query) {
+            Ok(sql) => sql,
+            Err(e) => return Ok(Err(e)),
+        };
+        match self.tx.as_mut() {
+            Some(tx) => Ok(tx.run(first).await),
+            None => {
+                self.begin_deferred(Some(&sql)).await?;
+                let tx = self.tx.as_mut().expect("just begun");
+                Ok(tx
+                    .opened()
+                    .expect("begun with statements to send")
+                    .and_then(|rows| first.read(rows)))
+            }
+        }
     }
 
-    /// Commit with `last` sent before `COMMIT`.
+    /// Commit with `last` sent in the same message as `COMMIT`.
     ///
     /// # Panics
     /// On an attempt whose transaction was never opened.
-    pub(crate) async fn commit_after<P: Pipelined>(
-        &mut self,
-        last: &P,
-    ) -> Result<P::Output, Closing> {
+    pub(crate) async fn commit_with<L: Last>(&mut self, last: &L) -> Result<L::Output, Closing> {
         let timeout = self.commit_timeout;
         self.tx
             .as_mut()
-            .expect("an attempt commits after a statement only once open")
-            .commit_after(timeout, last)
+            .expect("an attempt commits with a statement only once open")
+            .commit_with(timeout, last)
             .await
     }
 
-    /// Check out a connection and begin the deferred transaction, within
-    /// the attempt's budget.
-    async fn begin_deferred(&mut self) -> Result<(), Error> {
+    /// Check out a connection and begin the deferred transaction, with
+    /// `opening` sent with its `BEGIN`, within the attempt's budget.
+    async fn begin_deferred(&mut self, opening: Option<&str>) -> Result<(), Error> {
         let lazy = self
             .lazy
             .clone()
             .expect("an attempt without a transaction begins on first use");
         let until = Instant::now() + lazy.budget;
-        match open(&lazy.pool, lazy.isolation, until, lazy.last).await {
+        match open(&lazy.pool, lazy.isolation, until, lazy.last, opening).await {
             Ok(tx) => {
                 self.tx = Some(tx);
                 Ok(())
@@ -232,7 +243,8 @@ pub(crate) enum Opening {
 }
 
 /// Check a connection out of `pool` and begin a transaction with
-/// `isolation`, both by `until`, its statements bounded by the time then left
+/// `isolation` (and `opening` sent with `BEGIN`, see [`Tx::begin`]), both by
+/// `until`, its statements bounded by the time then left
 /// (all of it for a lock wait on the `last` attempt). A connection that broke
 /// while idle in the pool ran nothing, so another is tried at once: one per
 /// connection the pool may hold, so a pool whose connections all went stale
@@ -244,6 +256,7 @@ pub(crate) async fn open(
     isolation: Isolation,
     until: Instant,
     last: bool,
+    opening: Option<&str>,
 ) -> Result<Tx, Opening> {
     let mut stale = 0;
     loop {
@@ -254,7 +267,7 @@ pub(crate) async fn open(
         }
         .map_err(Opening::Checkout)?;
         let left = until.saturating_duration_since(Instant::now());
-        match Tx::begin(conn, isolation, Timeouts::within(left, last)).await {
+        match Tx::begin(conn, isolation, Timeouts::within(left, last), opening).await {
             Ok(tx) => return Ok(tx),
             Err(failure)
                 if failure.0.transient() == Some(RetryCause::ConnectionLost)

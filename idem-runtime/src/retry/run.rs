@@ -264,6 +264,7 @@ impl<'p> RetryLoop<'p> {
                 self.policy.isolation,
                 until,
                 self.is_last_attempt(),
+                None,
             )
             .instrument(self.span.clone())
             .await;

@@ -32,14 +32,19 @@
 use std::time::Duration;
 
 use deadpool::managed::Object;
+use std::sync::Arc;
+
 use diesel::result::Error as DieselError;
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+use diesel::QueryResult;
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
+};
 
 use crate::cause::{from_sqlstate, Bounds, RetryCause, Transient};
-use crate::pool::{Marks, PooledConnection, Refusal, Replication, Wire};
+use crate::pool::{Marks, PooledConnection, Refusal, Replication, Row, Wire};
 
 mod pipeline;
-pub(crate) use pipeline::{Closing, Pipelined};
+pub(crate) use pipeline::{simple_query, Closing, Last, Opening};
 
 /// The isolation level each attempt's transaction begins with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -76,6 +81,12 @@ pub(crate) struct Tx {
     timeouts: Timeouts,
     /// The connection's transaction control once `BEGIN` was answered.
     begun: Marks,
+    /// Open on the server while diesel-async counts no transaction: a
+    /// statement sent with `BEGIN` or `COMMIT` failed it (see
+    /// [`pipeline`]). It is rolled back with a `ROLLBACK` of idem's own.
+    unmanaged: bool,
+    /// The rows of the statements sent with `BEGIN`, until taken.
+    opened: Option<QueryResult<Vec<Row>>>,
 }
 
 /// How a `COMMIT` ended, when it did not commit for certain.
@@ -151,17 +162,23 @@ impl Timeouts {
 
 impl Tx {
     /// `BEGIN` with `isolation` on a connection fresh from the pool, its
-    /// statements bounded by `timeouts`.
+    /// statements bounded by `timeouts`, and `opening` (simple-query text)
+    /// sent with it: its rows are kept for [`Tx::opened`]. When `BEGIN` ran
+    /// and `opening` failed, the transaction is returned, failed, with the
+    /// error as what it opened with.
     pub(crate) async fn begin(
         conn: PooledConnection,
         isolation: Isolation,
         timeouts: Timeouts,
+        opening: Option<&str>,
     ) -> Result<Tx, BeginFailure> {
         let mut tx = Tx {
             conn: Some(conn),
             open: false,
             timeouts,
             begun: Marks::default(),
+            unmanaged: false,
+            opened: None,
         };
         // From here, whether BEGIN ran is not known until it is answered: a
         // drop closes the connection.
@@ -172,9 +189,33 @@ impl Tx {
             // `off`) would acknowledge a commit the standby lacks.
             sql.push_str("; SET LOCAL synchronous_commit = on");
         }
-        match AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await {
+        let wire = tx.wire_arc();
+        let before = wire.marks();
+        if let Some(opening) = opening {
+            sql.push_str("; ");
+            sql.push_str(opening);
+            wire.ride(None, true);
+        }
+        let begun = AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await;
+        let rows = opening.map(|_| wire.unride());
+        tx.begun = wire.marks();
+        match begun {
             Ok(()) => {
-                tx.begun = tx.wire().map(Wire::marks).unwrap_or_default();
+                tx.opened = rows.map(pipeline::captured);
+                Ok(tx)
+            }
+            // BEGIN ran and a statement sent with it failed: the transaction
+            // is open, failed, and diesel-async does not count it. (The
+            // server sends the error before the status that says so.)
+            Err(err)
+                if rows.is_some()
+                    && tx.begun.since(before).is_some()
+                    && wire.settled(timeouts.bounds().statement).await
+                    && wire.unfinished()
+                    && !wire.closed() =>
+            {
+                tx.unmanaged = true;
+                tx.opened = Some(Err(err));
                 Ok(tx)
             }
             Err(err) => {
@@ -182,6 +223,11 @@ impl Tx {
                 Err(BeginFailure(err))
             }
         }
+    }
+
+    /// What the statements sent with `BEGIN` answered, taken.
+    pub(crate) fn opened(&mut self) -> Option<QueryResult<Vec<Row>>> {
+        self.opened.take()
     }
 
     /// The connection the transaction runs on.
@@ -206,12 +252,25 @@ impl Tx {
         self.conn.as_ref().map(|conn| conn.wire())
     }
 
+    /// The wire's handle, shared: it outlives a borrow of the transaction.
+    fn wire_arc(&self) -> Arc<Wire> {
+        self.conn
+            .as_ref()
+            .expect("a transaction's connection is only discarded when it ends")
+            .wire_arc()
+    }
+
     /// Commit, unless the server reports the transaction failed; `timeout`
     /// bounds the wait for the server's answer.
     pub(crate) async fn commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
         if let Some(refusal) = self.refuse(timeout).await {
             return Err(refusal);
         }
+        self.send_commit(timeout).await
+    }
+
+    /// Send `COMMIT` (the transaction is known sound) and classify its end.
+    async fn send_commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
         let rollbacks = self.wire().map_or(0, Wire::rollbacks);
         let committed = tokio::time::timeout(
             timeout,
@@ -264,14 +323,20 @@ impl Tx {
         if !self.open {
             return false;
         }
-        let rolled_back = tokio::time::timeout(
-            timeout,
-            AnsiTransactionManager::rollback_transaction(self.conn()),
-        )
-        .await;
+        let rolled_back = if self.unmanaged {
+            let mut shared: &AsyncPgConnection = self.conn();
+            tokio::time::timeout(timeout, shared.batch_execute("ROLLBACK")).await
+        } else {
+            tokio::time::timeout(
+                timeout,
+                AnsiTransactionManager::rollback_transaction(self.conn()),
+            )
+            .await
+        };
         match rolled_back {
             Ok(Ok(())) => {
                 self.open = false;
+                self.unmanaged = false;
                 false
             }
             Ok(Err(err)) => {

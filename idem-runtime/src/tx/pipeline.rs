@@ -1,44 +1,55 @@
-//! A transaction's first statements sent together, and its last statement
-//! before its `COMMIT`.
+//! A transaction's first statements sent with its `BEGIN`, and its last
+//! statement sent with its `COMMIT`: no round trip of their own.
 //!
-//! Statements that do not depend on each other go out together through a
-//! shared reference to the connection (how diesel-async pipelines: each is
-//! sent when its future is first polled, and the futures are joined in a
-//! fixed order, so they reach the server in that order): a local-mode
-//! idempotent call sends its advisory lock and the read of its record in one
-//! round trip.
-//!
-//! `BEGIN` and `COMMIT` are not pipelined with them. diesel-async's
-//! transaction manager must learn of both (so that a `conn.transaction(..)`
-//! in a body becomes a savepoint), and its supported hooks send them
-//! themselves, on an exclusive borrow of the connection; telling it of a
-//! `BEGIN` or `COMMIT` sent beside them would take an accessor diesel-async
-//! keeps hidden. Each costs its own round trip (the README has the figures).
+//! diesel-async's transaction manager must learn of both `BEGIN` and
+//! `COMMIT` (so that a `conn.transaction(..)` in a body becomes a
+//! savepoint), and its supported hooks send each as one simple query. What
+//! rides on them is written into that same query (see `crate::pool`'s wire,
+//! which also keeps the rows tokio-postgres reads past): so it is SQL text
+//! with its values written in as literals ([`crate::sql`]), planned by the
+//! server at each call, never prepared.
 //!
 //! # Failure
 //!
-//! When the server refuses the last statement, the transaction is failed,
-//! and it is left open for its owner to roll back once it has read the
-//! cause. A transaction the server already reports failed sends no last
-//! statement at all: it is rolled back, as [`Tx::commit`] does.
+//! A failed first statement fails the transaction `BEGIN` opened; a failed
+//! last statement fails the transaction before its `COMMIT` runs. Either
+//! way the transaction is left open (failed), for its owner to roll back
+//! once it has read the cause; diesel-async does not count it as open, so
+//! [`Tx`] rolls it back itself. A transaction the server already reports
+//! failed sends no last statement at all: it is rolled back, as
+//! [`Tx::commit`] does.
 
 use std::time::Duration;
 
 use diesel::result::Error as DieselError;
 use diesel::QueryResult;
-use diesel_async::AsyncPgConnection;
-use futures_util::future::BoxFuture;
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 
 use super::{CommitFailure, Tx};
+use crate::pool::{MalformedRow, Row};
 
-/// Statements sent together, through a shared reference to the connection.
-pub(crate) trait Pipelined {
-    type Output: Send;
-    /// The statements, sent when the future is first polled.
-    fn send<'c>(&'c self, conn: &'c AsyncPgConnection) -> BoxFuture<'c, QueryResult<Self::Output>>;
+/// Statements to send with `BEGIN`, whose last one's rows are read.
+pub(crate) trait Opening {
+    type Output;
+    /// The statements as simple-query text: literals, no parameters.
+    fn sql(&self) -> QueryResult<String>;
+    /// The answer, from the rows of the last statement.
+    fn read(&self, rows: Vec<Row>) -> QueryResult<Self::Output>;
 }
 
-/// How a transaction whose last statement went out before its `COMMIT`
+/// A statement to send with `COMMIT`. It must write or fail, never do
+/// nothing: its row count is not read.
+pub(crate) trait Last {
+    type Output;
+    /// The statement as simple-query text: literals, no parameters.
+    fn sql(&self) -> QueryResult<String>;
+    /// Whether it returns rows to read.
+    fn returns_rows(&self) -> bool;
+    /// The answer once committed, from its rows (`None`: none were read).
+    fn read(&self, rows: Option<Vec<Row>>) -> Self::Output;
+}
+
+/// How a transaction whose last statement went out with its `COMMIT`
 /// ended, when it did not commit.
 #[derive(Debug)]
 pub(crate) enum Closing {
@@ -46,30 +57,77 @@ pub(crate) enum Closing {
     /// is still open (failed), for its owner to roll back once it has read
     /// the failure's cause.
     Failed(DieselError),
-    /// The statement was answered, the `COMMIT` was not committed for
-    /// certain (as [`Tx::commit`]).
+    /// The `COMMIT` was not committed for certain (as [`Tx::commit`]).
     Commit(CommitFailure),
 }
 
+/// `sql`, refused when a simple query cannot carry it: its text ends at
+/// the first NUL (no value idem writes in has one; this keeps it so).
+pub(crate) fn simple_query(sql: String) -> QueryResult<String> {
+    if sql.contains('\0') {
+        return Err(DieselError::SerializationError(
+            "idem: a statement sent with BEGIN or COMMIT contains a NUL character".into(),
+        ));
+    }
+    Ok(sql)
+}
+
+/// The rows a capture kept, as a query's result.
+pub(super) fn captured(rows: Option<Result<Vec<Row>, MalformedRow>>) -> QueryResult<Vec<Row>> {
+    match rows {
+        Some(Ok(rows)) => Ok(rows),
+        Some(Err(MalformedRow)) => Err(DieselError::DeserializationError(
+            "idem: a row sent with BEGIN could not be read".into(),
+        )),
+        None => Err(DieselError::DeserializationError(
+            "idem: the rows of the statements sent with BEGIN were not seen".into(),
+        )),
+    }
+}
+
 impl Tx {
-    /// Send `last`, then, once it is answered, `COMMIT`, unless a statement
-    /// failed. `timeout` bounds the wait for `COMMIT`'s answer; the server
-    /// bounds `last` by the transaction's statement timeout.
-    pub(crate) async fn commit_after<P: Pipelined>(
+    /// Send `last` with `COMMIT`, unless the transaction failed. `timeout`
+    /// bounds the wait for the answer.
+    pub(crate) async fn commit_with<L: Last>(
         &mut self,
         timeout: Duration,
-        last: &P,
-    ) -> Result<P::Output, Closing> {
+        last: &L,
+    ) -> Result<L::Output, Closing> {
         if let Some(refusal) = self.refuse(timeout).await {
             return Err(Closing::Commit(refusal));
         }
-        match last.send(self.conn()).await {
-            Ok(output) => self
-                .commit(timeout)
-                .await
-                .map(|()| output)
-                .map_err(Closing::Commit),
-            Err(err) => Err(Closing::Failed(err)),
+        // Nothing was sent yet: the transaction is still sound.
+        let sql = last.sql().and_then(simple_query).map_err(Closing::Failed)?;
+        let wire = self.wire_arc();
+        wire.ride(Some(sql.into_bytes()), last.returns_rows());
+        let committed = self.send_commit(timeout).await;
+        let rows = wire.unride().and_then(Result::ok);
+        match committed {
+            Ok(()) => Ok(last.read(rows)),
+            // The server says the transaction failed and is still open: the
+            // last statement failed, and COMMIT never ran. diesel-async
+            // counted the transaction as ended with the error, which the
+            // server sends before the status that says so.
+            Err(CommitFailure::Failed(err))
+                if wire.settled(timeout).await && wire.unfinished() && !wire.closed() =>
+            {
+                self.open = true;
+                self.unmanaged = true;
+                Err(Closing::Failed(err))
+            }
+            Err(failure) => Err(Closing::Commit(failure)),
         }
+    }
+
+    /// Run `first` on the open transaction, as one simple query of its own.
+    pub(crate) async fn run<O: Opening>(&mut self, first: &O) -> QueryResult<O::Output> {
+        let sql = simple_query(first.sql()?)?;
+        let wire = self.wire_arc();
+        wire.ride(None, true);
+        let mut shared: &AsyncPgConnection = self.conn();
+        let ran = shared.batch_execute(&sql).await;
+        let rows = wire.unride();
+        ran?;
+        first.read(captured(rows)?)
     }
 }

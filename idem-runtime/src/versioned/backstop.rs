@@ -126,6 +126,7 @@ use diesel::sql_types::BigInt;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 use super::Versioned;
+use crate::sql::quote_literal;
 
 /// The SQLSTATE of an UPDATE that does not set the version to old + 1.
 pub const VERSION_GUARD_SQLSTATE: &str = "IDV01";
@@ -343,18 +344,6 @@ fn trigger_sql(
 /// means the same thing): double quotes around, inner ones doubled.
 fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-/// Like PostgreSQL's `quote_literal`: single quotes doubled, and an `E''`
-/// string with doubled backslashes when there is a backslash, so the result
-/// means the same whatever `standard_conforming_strings` is.
-pub(crate) fn quote_literal(value: &str) -> String {
-    let quoted = value.replace('\'', "''");
-    if quoted.contains('\\') {
-        format!("E'{}'", quoted.replace('\\', "\\\\"))
-    } else {
-        format!("'{quoted}'")
-    }
 }
 
 #[cfg(test)]

@@ -46,8 +46,8 @@ use diesel::sql_types::SingleValue;
 use diesel::sql_types::{Array, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
-use super::backstop::quote_literal;
 use super::Versioned;
+use crate::sql::quote_literal;
 
 /// What [`Versioned::create_once`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -356,7 +356,7 @@ impl<E> Call<E> {
         let last = self
             .request
             .complete(outcome, response, self.takeover, self.caching());
-        match attempt.commit_after(&last).await {
+        match attempt.commit_with(&last).await {
             Ok(stored) => Ok((Step::Committed(Ok(())), self.kept(outcome, stored))),
             Err(Closing::Failed(e)) if store::record_taken(&e) => {
                 Ok((Step::Again(Duration::ZERO), None))

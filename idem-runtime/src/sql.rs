@@ -1,0 +1,88 @@
+//! SQL text with its values written in: literals for the statements idem
+//! sends as simple queries (DDL, and the statements that ride on `BEGIN`
+//! and `COMMIT`, see [`crate::tx`]), where no parameter can be bound.
+
+use std::fmt::Write;
+
+/// Like PostgreSQL's `quote_literal`: single quotes doubled, and an `E''`
+/// string with doubled backslashes when there is a backslash, so the result
+/// means the same whatever `standard_conforming_strings` is.
+pub(crate) fn quote_literal(value: &str) -> String {
+    let mut out = String::with_capacity(value.len() + 3);
+    push_literal(&mut out, value);
+    out
+}
+
+/// [`quote_literal`], appended to `out`.
+pub(crate) fn push_literal(out: &mut String, value: &str) {
+    if value.contains('\\') {
+        out.push_str("E'");
+        for c in value.chars() {
+            match c {
+                '\'' => out.push_str("''"),
+                '\\' => out.push_str("\\\\"),
+                c => out.push(c),
+            }
+        }
+    } else {
+        out.push('\'');
+        for c in value.chars() {
+            if c == '\'' {
+                out.push('\'');
+            }
+            out.push(c);
+        }
+    }
+    out.push('\'');
+}
+
+/// `value` as a `bytea` literal: `'\x..'` in an `E''` string, whatever
+/// `standard_conforming_strings` is.
+pub(crate) fn push_bytea(out: &mut String, value: &[u8]) {
+    out.push_str("E'\\\\x");
+    for byte in value {
+        let _ = write!(out, "{byte:02x}");
+    }
+    out.push_str("'::bytea");
+}
+
+/// Lowercase hex, as `encode(.., 'hex')` writes it, back to bytes.
+pub(crate) fn from_hex(text: &[u8]) -> Option<Vec<u8>> {
+    fn nibble(c: u8) -> Option<u8> {
+        match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            b'A'..=b'F' => Some(c - b'A' + 10),
+            _ => None,
+        }
+    }
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    text.chunks(2)
+        .map(|pair| Some(nibble(pair[0])? << 4 | nibble(pair[1])?))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn literals_mean_the_same_under_either_string_setting() {
+        assert_eq!(quote_literal("it's"), "'it''s'");
+        assert_eq!(quote_literal(r"a\'b"), r"E'a\\''b'");
+        assert_eq!(quote_literal("плов"), "'плов'");
+        let mut out = String::new();
+        push_bytea(&mut out, &[0, 0xab, 0xff]);
+        assert_eq!(out, r"E'\\x00abff'::bytea");
+    }
+
+    #[test]
+    fn hex_round_trips_and_refuses_what_is_not_hex() {
+        assert_eq!(from_hex(b"00abFF"), Some(vec![0, 0xab, 0xff]));
+        assert_eq!(from_hex(b""), Some(vec![]));
+        assert_eq!(from_hex(b"abc"), None);
+        assert_eq!(from_hex(b"zz"), None);
+    }
+}

@@ -1,0 +1,82 @@
+//! Local mode writes its key, scope and response into SQL text: the lock and
+//! the read ride on `BEGIN`, the record on `COMMIT`, which diesel-async sends
+//! as simple queries, where nothing can be bound. Values chosen to break out
+//! of a literal (quotes, backslashes under either string setting, dollar
+//! quotes, comments, semicolons) are stored exactly as given, replay exactly,
+//! and run nothing of their own.
+
+use super::*;
+
+/// Writes an effect and answers with `response`, under `scope`.
+#[idempotent(key = key, scope = scope, fingerprint(response))]
+async fn echo(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    key: &str,
+    response: &serde_json::Value,
+) -> Result<serde_json::Value, AppError> {
+    insert_effect(conn, "literal", 1).await?;
+    Ok(response.clone())
+}
+
+const HOSTILE: [&str; 9] = [
+    "it's",
+    r"back\slash",
+    r"\'; SELECT pg_sleep(5); --",
+    "'); DROP TABLE effects; --",
+    "E'x' || 'y'",
+    "$$; DROP TABLE effects; $$",
+    "/* open comment",
+    "ключ ✓ 鍵",
+    r"\\x00ff",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn values_that_would_break_a_literal_are_stored_and_replayed_exactly() {
+    let env = env(4).await;
+    for standard_strings in ["on", "off"] {
+        // Under both readings of a backslash in a plain literal.
+        env.client
+            .batch_execute(&format!(
+                "ALTER DATABASE {} SET standard_conforming_strings = {standard_strings}",
+                env.db.name()
+            ))
+            .await
+            .unwrap();
+        let pool = pool_of(&env.db, 2);
+        for (i, text) in HOSTILE.iter().enumerate() {
+            let key = format!("{standard_strings}-{i}-{text}");
+            let scope = format!("scope {text}");
+            let response = serde_json::json!({ "echo": text, "nested": [text, { (*text): text }] });
+            let first = echo(&pool, &scope, &key, &response).await.unwrap();
+            assert!(!first.replayed, "{key}");
+            let again = echo(&pool, &scope, &key, &response).await.unwrap();
+            assert!(again.replayed, "{key}: the second call replays");
+            assert_eq!(again.value, response, "{key}: replayed exactly");
+            // The record holds the key, the scope's label and the response
+            // as given, read back with bind parameters.
+            let row = env
+                .client
+                .query_one(
+                    "SELECT scope_label, response FROM idem_requests WHERE key = $1",
+                    &[&key],
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{key}: one record under the exact key: {e}"));
+            let label: Option<String> = row.get(0);
+            let stored: serde_json::Value = row.get(1);
+            assert_eq!(
+                label.as_deref(),
+                Some(serde_json::to_string(&scope).unwrap().as_str())
+            );
+            assert_eq!(stored, response, "{key}");
+        }
+    }
+    let n = HOSTILE.len() as i64 * 2;
+    assert_eq!(
+        env.effects("literal").await,
+        n,
+        "one effect per key, nothing else ran"
+    );
+    assert_eq!(env.records().await, n, "one record per key");
+}
