@@ -214,11 +214,6 @@ static MIGRATIONS: &[Migration] = &[
         name: "create_once_guard",
         sql: include_str!("../migrations/0016_create_once_guard.sql"),
     },
-    Migration {
-        version: 17,
-        name: "local_open",
-        sql: include_str!("../migrations/0017_local_open.sql"),
-    },
 ];
 
 /// The migrations embedded in this build, in the order [`migrate`] applies them.

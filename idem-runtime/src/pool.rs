@@ -285,7 +285,7 @@ impl deadpool::managed::Manager for Manager {
     type Error = ConnectionError;
 
     async fn create(&self) -> Result<Connection, ConnectionError> {
-        let wire = Arc::new(Wire::default());
+        let wire = Arc::new(Wire::new(self.pooler == Pooler::Direct));
         let observe = wire::Observe(Arc::clone(&wire));
         // tokio-postgres says only "db error" at the top; the server's
         // reason (no such database, authentication failed) is its source.

@@ -80,3 +80,62 @@ async fn values_that_would_break_a_literal_are_stored_and_replayed_exactly() {
     );
     assert_eq!(env.records().await, n, "one record per key");
 }
+
+/// Writes an effect; when `deallocate`, drops every prepared statement of
+/// the session first, as a body's own `DEALLOCATE ALL` would.
+#[idempotent(key = key, scope = none, fingerprint(deallocate))]
+#[retryable(max = 2, deadline_ms = 1500)]
+async fn prepared_on_one_connection(
+    conn: &mut AsyncPgConnection,
+    key: &str,
+    deallocate: bool,
+) -> Result<i64, AppError> {
+    if deallocate {
+        conn.batch_execute("DEALLOCATE ALL").await?;
+    }
+    insert_effect(conn, "prepared", 1).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn statements_prepared_on_a_session_survive_failures_and_a_body_that_drops_them() {
+    let env = env(2).await;
+    // One connection, so every call meets what the calls before left on it.
+    let pool = pool_of(&env.db, 1);
+    assert!(
+        !prepared_on_one_connection(&pool, "first", false)
+            .await
+            .unwrap()
+            .replayed
+    );
+    // The lock is held elsewhere: this call's lock waits past its deadline,
+    // after its statements were prepared in the same message.
+    let scope = idem::idempotency::scope_hash(&()).unwrap();
+    let lock = idem::__private::lock_key(&scope, "held");
+    let mut side = side_connection(env.db.url()).await;
+    let holder = side.transaction().await.unwrap();
+    tokio_postgres::GenericClient::execute(&holder, "SELECT pg_advisory_xact_lock($1)", &[&lock])
+        .await
+        .unwrap();
+    let held = prepared_on_one_connection(&pool, "held", false).await;
+    assert!(held.is_err(), "{held:?}");
+    holder.commit().await.unwrap();
+    // Prepared once, never again: no "already exists" after the failure.
+    assert!(
+        !prepared_on_one_connection(&pool, "held", false)
+            .await
+            .unwrap()
+            .replayed
+    );
+    // The body drops them all: the next call prepares them again.
+    assert!(
+        !prepared_on_one_connection(&pool, "dropped", true)
+            .await
+            .unwrap()
+            .replayed
+    );
+    for key in ["after", "first", "held", "dropped"] {
+        let answer = prepared_on_one_connection(&pool, key, key == "dropped").await;
+        assert_eq!(answer.unwrap().replayed, key != "after", "{key}");
+    }
+    assert_eq!(env.effects("prepared").await, 4, "one effect per key");
+}

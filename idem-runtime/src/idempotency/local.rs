@@ -7,21 +7,17 @@
 use diesel::result::Error as DieselError;
 use diesel::QueryResult;
 
-use std::fmt::Write;
-
 use super::request::{micros, Request, Stored};
-use super::store::{Complete, Outcome};
+use super::store::{Complete, Outcome, LOCK, READ_TEXT};
 use crate::pool::Row;
 use crate::sql::{from_hex, push_literal};
-use crate::tx::{Last, Opening};
+use crate::tx::{Last, Opening, Session};
 
-/// The advisory lock and the read of a local request's record, in one call
-/// of `idem_local_open` (migration 17, whose statements are planned once
-/// per session where a statement written into `BEGIN`'s text would be
-/// planned at every call). The lock comes first: the read, a later
-/// statement of a volatile function, sees a record a duplicate committed
-/// while this one waited (READ COMMITTED; under a snapshot isolation
-/// [`Complete`] finds it instead).
+/// The advisory lock and the read of a local request's record ([`LOCK`],
+/// [`READ_TEXT`], prepared once per session). The lock comes first: the
+/// read, a later statement, sees a record a duplicate committed while this
+/// one waited (READ COMMITTED; under a snapshot isolation [`Complete`] finds
+/// it instead).
 pub(crate) struct LockAndRead<'r>(&'r Request);
 
 impl<'r> LockAndRead<'r> {
@@ -33,18 +29,16 @@ impl<'r> LockAndRead<'r> {
 impl Opening for LockAndRead<'_> {
     type Output = Option<Stored>;
 
-    fn sql(&self) -> QueryResult<String> {
+    fn sql(&self, session: &mut Session<'_>) -> QueryResult<String> {
         let request = self.0;
-        let mut sql = String::with_capacity(160 + request.key().len());
-        let _ = write!(
-            sql,
-            "SELECT * FROM idem_local_open({}, ",
-            request.lock_key()
-        );
-        push_literal(&mut sql, request.scope());
-        sql.push_str(", ");
-        push_literal(&mut sql, request.key());
-        sql.push(')');
+        let lock_key = request.lock_key().to_string();
+        let (mut scope, mut key) = (String::new(), String::new());
+        push_literal(&mut scope, request.scope());
+        push_literal(&mut key, request.key());
+        let mut sql = String::with_capacity(600 + key.len());
+        session.call(&LOCK, &[&lock_key], &mut sql);
+        sql.push_str("; ");
+        session.call(&READ_TEXT, &[&scope, &key], &mut sql);
         Ok(sql)
     }
 
@@ -91,7 +85,7 @@ impl<'a> Completing<'a> {
 impl Last for Completing<'_> {
     type Output = Option<serde_json::Value>;
 
-    fn sql(&self) -> QueryResult<String> {
+    fn sql(&self, session: &mut Session<'_>) -> QueryResult<String> {
         Ok(Complete {
             identity: self.request.identity(),
             outcome: self.outcome,
@@ -100,7 +94,7 @@ impl Last for Completing<'_> {
             takeover: self.takeover,
             returning: self.returning,
         }
-        .sql())
+        .call(session))
     }
 
     fn returns_rows(&self) -> bool {

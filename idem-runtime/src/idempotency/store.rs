@@ -21,11 +21,17 @@ use diesel::sql_types::{BigInt, Binary, Bool, Jsonb, Nullable, Text};
 use diesel::QueryResult;
 
 use crate::sql::{push_bytea, push_literal};
+use crate::tx::{Prepared, Session};
 
 /// What is left of a record's retention, in whole milliseconds (negative
 /// once expired), as the database's clock sees it: a replay cache keeps an
 /// entry no longer than this, so it never outlives the record it copies.
-const REMAINING_MS: &str = "(extract(epoch FROM expires_at - now()) * 1000)::int8";
+macro_rules! remaining_ms {
+    () => {
+        "(extract(epoch FROM expires_at - now()) * 1000)::int8"
+    };
+}
+const REMAINING_MS: &str = remaining_ms!();
 
 /// A record's `state` (the enum `idem_request_state`, migration 15).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,22 +110,6 @@ impl<'a> Identity<'a> {
         out.push_bind_param::<Text, _>(self.operation)?;
         out.push_sql(", ");
         out.push_bind_param::<Binary, _>(self.fingerprint)
-    }
-
-    /// The same values as literals, in the same order.
-    fn push_literals(&self, out: &mut String) {
-        push_literal(out, self.scope);
-        out.push_str(", ");
-        match self.scope_label {
-            Some(label) => push_literal(out, label),
-            None => out.push_str("NULL"),
-        }
-        out.push_str(", ");
-        push_literal(out, self.key);
-        out.push_str(", ");
-        push_literal(out, self.operation);
-        out.push_str(", ");
-        push_bytea(out, self.fingerprint);
     }
 }
 
@@ -266,42 +256,93 @@ pub(crate) struct Complete<'a> {
     pub(crate) returning: bool,
 }
 
+/// [`Complete`]'s statement: an `INSERT` of its row, or a takeover of an
+/// expired record, each with or without `RETURNING` the response (as text,
+/// as a simple query's rows are).
+macro_rules! complete_statement {
+    ($name:literal, $tail:expr) => {
+        Prepared {
+            name: $name,
+            types: "text, text, text, text, bytea, idem_request_outcome, jsonb, bigint",
+            text: concat!(
+                "INSERT INTO idem_requests AS r (scope, scope_label, key, operation, fingerprint, \
+                 mode, state, outcome, response, expires_at) VALUES ($1, $2, $3, $4, $5, 'local', \
+                 'completed', $6, $7, now() + $8 * interval '1 microsecond')",
+                $tail
+            ),
+        }
+    };
+}
+
+/// A takeover of an expired record, which raises instead of writing nothing.
+macro_rules! takeover {
+    () => {
+        " ON CONFLICT (scope, key) DO UPDATE SET \
+         scope_label = excluded.scope_label, operation = excluded.operation, \
+         fingerprint = excluded.fingerprint, mode = excluded.mode, \
+         owner = NULL, outcome = excluded.outcome, response = excluded.response, \
+         created_at = now(), updated_at = now(), expires_at = excluded.expires_at, \
+         lease_until = NULL, state = CASE WHEN r.state = 'completed' AND r.expires_at <= now() \
+         THEN 'completed' ELSE idem_record_taken()::idem_request_state END"
+    };
+}
+
+const COMPLETE: [Prepared; 4] = [
+    complete_statement!("idem_complete_v1", ""),
+    complete_statement!("idem_complete_returning_v1", " RETURNING response::text"),
+    complete_statement!("idem_take_over_v1", takeover!()),
+    complete_statement!(
+        "idem_take_over_returning_v1",
+        concat!(takeover!(), " RETURNING response::text")
+    ),
+];
+
 impl Complete<'_> {
-    /// The statement as simple-query text (it rides on `COMMIT`).
-    pub(crate) fn sql(&self) -> String {
+    /// A call of the statement, to ride on `COMMIT` (see [`crate::tx`]).
+    pub(crate) fn call(&self, session: &mut Session<'_>) -> String {
         let response = self.response.to_string();
-        let mut out = String::with_capacity(640 + response.len() + self.identity.key.len());
-        out.push_str("INSERT INTO idem_requests AS r (");
-        out.push_str(Identity::COLUMNS);
-        out.push_str(", mode, state, outcome, response, expires_at) VALUES (");
-        self.identity.push_literals(&mut out);
-        out.push_str(", 'local', 'completed', '");
-        out.push_str(self.outcome.as_str());
-        out.push_str("', ");
-        push_literal(&mut out, &response);
-        let _ = write!(
-            out,
-            "::jsonb, now() + {} * interval '1 microsecond')",
-            self.ttl_micros
-        );
-        if self.takeover {
-            out.push_str(
-                " ON CONFLICT (scope, key) DO UPDATE SET \
-                 scope_label = excluded.scope_label, operation = excluded.operation, \
-                 fingerprint = excluded.fingerprint, mode = excluded.mode, \
-                 owner = NULL, outcome = excluded.outcome, response = excluded.response, \
-                 created_at = now(), updated_at = now(), expires_at = excluded.expires_at, \
-                 lease_until = NULL, state = CASE WHEN r.state = 'completed' AND r.expires_at <= now() \
-                 THEN 'completed' ELSE idem_record_taken()::idem_request_state END",
-            );
+        let mut literals: [String; 8] = Default::default();
+        push_literal(&mut literals[0], self.identity.scope);
+        match self.identity.scope_label {
+            Some(label) => push_literal(&mut literals[1], label),
+            None => literals[1].push_str("NULL"),
         }
-        if self.returning {
-            // As text: a simple query's rows are text whatever the type.
-            out.push_str(" RETURNING response::text");
-        }
+        push_literal(&mut literals[2], self.identity.key);
+        push_literal(&mut literals[3], self.identity.operation);
+        push_bytea(&mut literals[4], self.identity.fingerprint);
+        push_literal(&mut literals[5], self.outcome.as_str());
+        push_literal(&mut literals[6], &response);
+        let _ = write!(literals[7], "{}", self.ttl_micros);
+        let args: Vec<&str> = literals.iter().map(String::as_str).collect();
+        let statement = &COMPLETE[usize::from(self.takeover) * 2 + usize::from(self.returning)];
+        let mut out = String::with_capacity(900 + response.len() + self.identity.key.len());
+        session.call(statement, &args, &mut out);
         out
     }
 }
+
+/// Local mode's first statements: duplicates of one key queue on the lock
+/// for the rest of the transaction (its key is a 64-bit hash of scope and
+/// key: a collision only makes two unrelated requests wait for each other),
+/// then the read of the record, each column as text (bytes in hex, which
+/// reads the same whatever `bytea_output` says).
+pub(crate) const LOCK: Prepared = Prepared {
+    name: "idem_lock_v1",
+    types: "bigint",
+    text: "SELECT pg_advisory_xact_lock($1)",
+};
+
+/// See [`LOCK`].
+pub(crate) const READ_TEXT: Prepared = Prepared {
+    name: "idem_read_v1",
+    types: "text, text",
+    text: concat!(
+        "SELECT operation, encode(fingerprint, 'hex'), state::text, outcome::text, \
+         response::text, lease_until < now(), expires_at <= now(), encode(owner, 'hex'), ",
+        remaining_ms!(),
+        " FROM idem_requests WHERE scope = $1 AND key = $2"
+    ),
+};
 
 /// How [`Complete`] refuses to write nothing (SQLSTATE IDR01, migration 9):
 /// its message starts with this (diesel reports no SQLSTATE of its own).

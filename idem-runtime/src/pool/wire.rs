@@ -53,6 +53,9 @@ pub(crate) struct Wire {
     /// Something rides on the next request ([`Wire::ride`]): the cheap test
     /// that keeps the stream's common path from taking the lock for it.
     riding: AtomicBool,
+    /// The connection keeps its session's prepared statements (not behind a
+    /// transaction pooler).
+    session_statements: bool,
 }
 
 /// Counts of transaction control on a connection: compared before and after
@@ -111,9 +114,21 @@ struct State {
     answered: Option<Instant>,
     /// What rides on the next request.
     ride: ride::Ride,
+    /// idem's statements prepared on this session (`crate::tx`'s prepared
+    /// statements), once the server answered their `PREPARE`.
+    prepared: Vec<&'static str>,
 }
 
 impl Wire {
+    /// The wire of a new connection; `session_statements`: it keeps its
+    /// session's prepared statements (no transaction pooler in between).
+    pub(crate) fn new(session_statements: bool) -> Wire {
+        Wire {
+            session_statements,
+            ..Wire::default()
+        }
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -134,9 +149,27 @@ impl Wire {
     /// in the same message, and, when `capture`, keep the rows of the next
     /// request's last result (see [`ride`]). Armed before the request is
     /// sent; [`Wire::unride`] ends it.
-    pub(crate) fn ride(&self, prefix: Option<Vec<u8>>, capture: bool) {
-        self.state().ride.arm(prefix, capture);
+    ///
+    /// `preparing`: the statements whose `PREPARE` the request carries, in
+    /// order; each counts as prepared once the server answers its `PREPARE`.
+    pub(crate) fn ride(
+        &self,
+        prefix: Option<Vec<u8>>,
+        capture: bool,
+        preparing: Vec<&'static str>,
+    ) {
+        self.state().ride.arm(prefix, capture, preparing);
         self.riding.store(true, Ordering::Release);
+    }
+
+    /// Whether the connection keeps its session's prepared statements.
+    pub(crate) fn keeps_session_statements(&self) -> bool {
+        self.session_statements
+    }
+
+    /// Whether idem's statement `name` is prepared on this session.
+    pub(crate) fn is_prepared(&self, name: &str) -> bool {
+        self.state().prepared.contains(&name)
     }
 
     /// Stop riding; the captured rows, once their request was answered.
@@ -254,6 +287,14 @@ impl Wire {
 
     fn on_complete(&self, tag: &[u8]) {
         let mut state = self.state();
+        if tag == b"PREPARE" {
+            if let Some(name) = state.ride.on_prepared() {
+                state.prepared.push(name);
+            }
+        } else if tag.starts_with(b"DEALLOCATE") || tag == b"DISCARD ALL" {
+            // The body's own: every statement of the session may be gone.
+            state.prepared.clear();
+        }
         match tag {
             b"ROLLBACK" => state.rollbacks += 1,
             b"COMMIT" | b"PREPARE TRANSACTION" => state.marks.commits += 1,

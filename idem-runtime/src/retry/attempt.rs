@@ -22,7 +22,9 @@ use deadpool::managed::TimeoutType;
 use super::{Isolation, RetryCause, Transient};
 use crate::error::Error;
 use crate::pool::{Pool, PoolError};
-use crate::tx::{simple_query, Closing, CommitFailure, Last, Opening as First, Timeouts, Tx};
+use crate::tx::{
+    simple_query, Closing, CommitFailure, Last, Opening as First, Render, Session, Timeouts, Tx,
+};
 
 /// How an attempt begins its transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,18 +140,15 @@ impl Attempt {
     /// Run `first` as the attempt's first statements: sent with its `BEGIN`
     /// when its transaction was deferred (no round trip of their own), on
     /// their own otherwise.
-    pub(crate) async fn open_with<F: First>(
+    pub(crate) async fn open_with<F: First + Sync>(
         &mut self,
         first: &F,
     ) -> Result<QueryResult<F::Output>, Error> {
-        let sql = match first.sql().and_then(simple_query) {
-            Ok(sql) => sql,
-            Err(e) => return Ok(Err(e)),
-        };
         match self.tx.as_mut() {
             Some(tx) => Ok(tx.run(first).await),
             None => {
-                self.begin_deferred(Some(&sql)).await?;
+                let render = |session: &mut Session<'_>| first.sql(session).and_then(simple_query);
+                self.begin_deferred(Some(&render)).await?;
                 let tx = self.tx.as_mut().expect("just begun");
                 Ok(tx
                     .opened()
@@ -174,7 +173,7 @@ impl Attempt {
 
     /// Check out a connection and begin the deferred transaction, with
     /// `opening` sent with its `BEGIN`, within the attempt's budget.
-    async fn begin_deferred(&mut self, opening: Option<&str>) -> Result<(), Error> {
+    async fn begin_deferred(&mut self, opening: Option<Render<'_>>) -> Result<(), Error> {
         let lazy = self
             .lazy
             .clone()
@@ -256,7 +255,7 @@ pub(crate) async fn open(
     isolation: Isolation,
     until: Instant,
     last: bool,
-    opening: Option<&str>,
+    opening: Option<Render<'_>>,
 ) -> Result<Tx, Opening> {
     let mut stale = 0;
     loop {

@@ -44,7 +44,9 @@ use crate::cause::{from_sqlstate, Bounds, RetryCause, Transient};
 use crate::pool::{Marks, PooledConnection, Refusal, Replication, Row, Wire};
 
 mod pipeline;
-pub(crate) use pipeline::{simple_query, Closing, Last, Opening};
+mod prepared;
+pub(crate) use pipeline::{simple_query, Closing, Last, Opening, Render};
+pub(crate) use prepared::{Prepared, Session};
 
 /// The isolation level each attempt's transaction begins with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -170,7 +172,7 @@ impl Tx {
         conn: PooledConnection,
         isolation: Isolation,
         timeouts: Timeouts,
-        opening: Option<&str>,
+        opening: Option<Render<'_>>,
     ) -> Result<Tx, BeginFailure> {
         let mut tx = Tx {
             conn: Some(conn),
@@ -191,17 +193,29 @@ impl Tx {
         }
         let wire = tx.wire_arc();
         let before = wire.marks();
-        if let Some(opening) = opening {
-            sql.push_str("; ");
-            sql.push_str(opening);
-            wire.ride(None, true);
+        let mut riding = false;
+        if let Some(render) = opening {
+            let mut session = Session::new(&wire);
+            match render(&mut session) {
+                Ok(statements) => {
+                    sql.push_str("; ");
+                    sql.push_str(&statements);
+                    wire.ride(None, true, session.preparing());
+                    riding = true;
+                }
+                // Nothing to send with BEGIN: the transaction opens without
+                // them, and answers their failure.
+                Err(err) => tx.opened = Some(Err(err)),
+            }
         }
         let begun = AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await;
-        let rows = opening.map(|_| wire.unride());
+        let rows = riding.then(|| wire.unride());
         tx.begun = wire.marks();
         match begun {
             Ok(()) => {
-                tx.opened = rows.map(pipeline::captured);
+                if let Some(rows) = rows {
+                    tx.opened = Some(pipeline::captured(rows));
+                }
                 Ok(tx)
             }
             // BEGIN ran and a statement sent with it failed: the transaction

@@ -25,14 +25,15 @@ use diesel::result::Error as DieselError;
 use diesel::QueryResult;
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 
-use super::{CommitFailure, Tx};
+use super::{CommitFailure, Session, Tx};
 use crate::pool::{MalformedRow, Row};
 
 /// Statements to send with `BEGIN`, whose last one's rows are read.
 pub(crate) trait Opening {
     type Output;
-    /// The statements as simple-query text: literals, no parameters.
-    fn sql(&self) -> QueryResult<String>;
+    /// The statements as simple-query text (literals, no parameters), their
+    /// prepared statements called through `session`.
+    fn sql(&self, session: &mut Session<'_>) -> QueryResult<String>;
     /// The answer, from the rows of the last statement.
     fn read(&self, rows: Vec<Row>) -> QueryResult<Self::Output>;
 }
@@ -41,13 +42,18 @@ pub(crate) trait Opening {
 /// nothing: its row count is not read.
 pub(crate) trait Last {
     type Output;
-    /// The statement as simple-query text: literals, no parameters.
-    fn sql(&self) -> QueryResult<String>;
+    /// The statement as simple-query text (literals, no parameters), its
+    /// prepared statement called through `session`.
+    fn sql(&self, session: &mut Session<'_>) -> QueryResult<String>;
     /// Whether it returns rows to read.
     fn returns_rows(&self) -> bool;
     /// The answer once committed, from its rows (`None`: none were read).
     fn read(&self, rows: Option<Vec<Row>>) -> Self::Output;
 }
+
+/// [`Opening::sql`] of the statements to send with a transaction's `BEGIN`,
+/// called once its connection is known.
+pub(crate) type Render<'a> = &'a (dyn Fn(&mut Session<'_>) -> QueryResult<String> + Sync);
 
 /// How a transaction whose last statement went out with its `COMMIT`
 /// ended, when it did not commit.
@@ -97,9 +103,17 @@ impl Tx {
             return Err(Closing::Commit(refusal));
         }
         // Nothing was sent yet: the transaction is still sound.
-        let sql = last.sql().and_then(simple_query).map_err(Closing::Failed)?;
         let wire = self.wire_arc();
-        wire.ride(Some(sql.into_bytes()), last.returns_rows());
+        let mut session = Session::new(&wire);
+        let sql = last
+            .sql(&mut session)
+            .and_then(simple_query)
+            .map_err(Closing::Failed)?;
+        wire.ride(
+            Some(sql.into_bytes()),
+            last.returns_rows(),
+            session.preparing(),
+        );
         let committed = self.send_commit(timeout).await;
         let rows = wire.unride().and_then(Result::ok);
         match committed {
@@ -121,9 +135,10 @@ impl Tx {
 
     /// Run `first` on the open transaction, as one simple query of its own.
     pub(crate) async fn run<O: Opening>(&mut self, first: &O) -> QueryResult<O::Output> {
-        let sql = simple_query(first.sql()?)?;
         let wire = self.wire_arc();
-        wire.ride(None, true);
+        let mut session = Session::new(&wire);
+        let sql = simple_query(first.sql(&mut session)?)?;
+        wire.ride(None, true, session.preparing());
         let mut shared: &AsyncPgConnection = self.conn();
         let ran = shared.batch_execute(&sql).await;
         let rows = wire.unride();

@@ -35,6 +35,8 @@ pub(super) struct Ride {
     done: bool,
     /// A captured row could not be read.
     malformed: bool,
+    /// The statements whose `PREPARE` rides, in order, not yet answered.
+    preparing: std::collections::VecDeque<&'static str>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -50,12 +52,24 @@ enum Capture {
 impl Ride {
     /// Ride `prefix` on the next `Query` written, and capture the rows of
     /// the next request's last result when `capture`.
-    pub(super) fn arm(&mut self, prefix: Option<Vec<u8>>, capture: bool) {
+    pub(super) fn arm(
+        &mut self,
+        prefix: Option<Vec<u8>>,
+        capture: bool,
+        preparing: Vec<&'static str>,
+    ) {
         *self = Ride {
             prefix,
             capture: if capture { Capture::Next } else { Capture::Off },
+            preparing: preparing.into(),
             ..Ride::default()
         };
+    }
+
+    /// A `PREPARE` was answered: the riding statement it prepared, if it was
+    /// one (they are answered in the order they were written).
+    pub(super) fn on_prepared(&mut self) -> Option<&'static str> {
+        self.preparing.pop_front()
     }
 
     /// Stop riding; the captured rows, when the request was answered (an

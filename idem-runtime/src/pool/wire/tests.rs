@@ -153,7 +153,7 @@ fn the_rows_of_the_captured_request_are_kept_and_no_others() {
     let mut o = started();
     // A request still owed its answer when the capture is armed.
     o.written(&message(b'Q', b"SELECT 'earlier'\0"));
-    o.wire.ride(None, true);
+    o.wire.ride(None, true, Vec::new());
     o.written(&message(b'Q', b"BEGIN; SELECT 1; SELECT 2\0"));
     let mut answers = message(b'T', b"\0\x01");
     answers.extend(data_row(&[Some(b"earlier")]));
@@ -187,13 +187,13 @@ fn the_rows_of_the_captured_request_are_kept_and_no_others() {
 #[test]
 fn an_unanswered_capture_yields_nothing_and_a_malformed_row_an_error() {
     let mut o = started();
-    o.wire.ride(None, true);
+    o.wire.ride(None, true, Vec::new());
     o.written(&message(b'Q', b"SELECT 1\0"));
     o.read(&message(b'T', b"\0\x01"));
     o.read(&data_row(&[Some(b"1")]));
     assert_eq!(o.wire.unride(), None, "no ReadyForQuery yet");
     o.read(&message(b'Z', b"T"));
-    o.wire.ride(None, true);
+    o.wire.ride(None, true, Vec::new());
     o.written(&message(b'Q', b"SELECT 1\0"));
     o.read(&message(b'T', b"\0\x01"));
     // A column longer than the row.
@@ -215,8 +215,11 @@ fn block_on_write(o: &mut Observed<Vec<u8>>, bytes: &[u8]) -> io::Result<usize> 
 fn a_prefix_rides_in_the_next_query_behind_what_precedes_it() {
     let mut o = started();
     o.inner.clear();
-    o.wire
-        .ride(Some(b"INSERT INTO t VALUES (1)".to_vec()), false);
+    o.wire.ride(
+        Some(b"INSERT INTO t VALUES (1)".to_vec()),
+        false,
+        Vec::new(),
+    );
     // A Close and a Sync of a dropped statement, then COMMIT, in one write.
     let mut out = message(b'C', b"Ss7\0");
     out.extend(message(b'S', b""));
@@ -240,7 +243,8 @@ fn a_prefix_rides_in_the_next_query_behind_what_precedes_it() {
 fn a_prefix_waits_past_a_message_split_across_writes() {
     let mut o = started();
     o.inner.clear();
-    o.wire.ride(Some(b"SELECT 'riding'".to_vec()), false);
+    o.wire
+        .ride(Some(b"SELECT 'riding'".to_vec()), false, Vec::new());
     let parse = message(b'P', b"\0SELECT 1\0\0\0");
     // Half a Parse: written as it is, the prefix still waits.
     block_on_write(&mut o, &parse[..4]).unwrap();
@@ -260,11 +264,44 @@ fn a_prefix_waits_past_a_message_split_across_writes() {
 #[test]
 fn a_prefix_never_lets_a_query_out_without_it() {
     let mut o = started();
-    o.wire
-        .ride(Some(b"INSERT INTO t VALUES (1)".to_vec()), false);
+    o.wire.ride(
+        Some(b"INSERT INTO t VALUES (1)".to_vec()),
+        false,
+        Vec::new(),
+    );
     // The start of a Query whose rest is not in this write.
     let commit = message(b'Q', b"COMMIT\0");
     let err = block_on_write(&mut o, &commit[..7]).expect_err("refused");
     assert!(err.to_string().contains("before anything commits"), "{err}");
     assert!(o.wire.closed());
+}
+
+#[test]
+fn a_statement_counts_as_prepared_once_its_prepare_is_answered() {
+    let mut o = started();
+    let wire = Arc::clone(&o.wire);
+    wire.ride(None, true, vec!["idem_a_v1", "idem_b_v1"]);
+    o.written(&message(
+        b'Q',
+        b"BEGIN; PREPARE ..; PREPARE ..; EXECUTE ..\0",
+    ));
+    o.read(&message(b'C', b"BEGIN\0"));
+    o.read(&message(b'C', b"PREPARE\0"));
+    assert!(wire.is_prepared("idem_a_v1"));
+    assert!(
+        !wire.is_prepared("idem_b_v1"),
+        "its PREPARE is not answered yet"
+    );
+    // The second PREPARE answered, then a later statement fails: both stay
+    // prepared (PREPARE is not undone by a rollback).
+    o.read(&message(b'C', b"PREPARE\0"));
+    o.read(&error(b"55P03"));
+    o.read(&message(b'Z', b"E"));
+    wire.unride();
+    assert!(wire.is_prepared("idem_a_v1") && wire.is_prepared("idem_b_v1"));
+    // A PREPARE of the application's own is not idem's.
+    o.read(&message(b'C', b"PREPARE\0"));
+    // A body's DEALLOCATE ALL (or DISCARD ALL) forgets them all.
+    o.read(&message(b'C', b"DEALLOCATE ALL\0"));
+    assert!(!wire.is_prepared("idem_a_v1") && !wire.is_prepared("idem_b_v1"));
 }
