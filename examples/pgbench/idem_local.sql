@@ -1,6 +1,7 @@
--- Local mode as idem sends it today: BEGIN with its settings; the advisory
--- lock and the read of the record together; the handler; the record (a plain
--- INSERT); COMMIT on its own. Two round trips more than the bare handler.
+-- Local mode as idem sent it before its statements rode on BEGIN and COMMIT:
+-- BEGIN with its settings; the advisory lock and the read of the record
+-- together; the handler; the record (a plain INSERT); COMMIT on its own. Two
+-- round trips more than the bare handler.
 \set id random(1, 4000000000000000)
 \startpipeline
 BEGIN ISOLATION LEVEL READ COMMITTED;

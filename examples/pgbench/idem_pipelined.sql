@@ -1,5 +1,7 @@
--- Local mode as idem sends it: the advisory lock and the read with BEGIN,
--- the handler, the record (a plain INSERT) with COMMIT.
+-- Local mode's round trips as idem sends them: the advisory lock and the
+-- read with BEGIN, the handler, the record (a plain INSERT) with COMMIT.
+-- pgbench pipelines prepared statements; idem writes EXECUTEs of statements
+-- it prepared once per connection into BEGIN's and COMMIT's simple queries.
 \set id random(1, 4000000000000000)
 \startpipeline
 BEGIN ISOLATION LEVEL READ COMMITTED;

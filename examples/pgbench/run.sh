@@ -2,8 +2,9 @@
 # What the SQL of local mode costs on this machine, with no client library:
 # pgbench runs the bare handler and the idempotent variants interleaved in
 # one run (-M prepared; pipeline mode where idem pipelines), and this prints
-# each one's median latency and its ratio to the bare handler. idem_local is
-# local mode as idem sends it today; record_0014 is record_only into the
+# each one's median latency and its ratio to the bare handler. idem_pipelined
+# is local mode's round trips as idem sends them, idem_local as it sent them
+# before its statements rode on BEGIN and COMMIT; record_0014 is record_only into the
 # record table as it was before migration 15 (layout_0014.sql).
 #
 #   examples/pgbench/run.sh [URL] [-c CLIENTS] [-T SECONDS]
