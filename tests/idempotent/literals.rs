@@ -81,17 +81,17 @@ async fn values_that_would_break_a_literal_are_stored_and_replayed_exactly() {
     assert_eq!(env.records().await, n, "one record per key");
 }
 
-/// Writes an effect; when `deallocate`, drops every prepared statement of
-/// the session first, as a body's own `DEALLOCATE ALL` would.
-#[idempotent(key = key, scope = none, fingerprint(deallocate))]
+/// Writes an effect, after running `drop` (a body's own `DEALLOCATE` or
+/// `DISCARD`) when given.
+#[idempotent(key = key, scope = none, fingerprint(drop))]
 #[retryable(max = 2, deadline_ms = 1500)]
 async fn prepared_on_one_connection(
     conn: &mut AsyncPgConnection,
     key: &str,
-    deallocate: bool,
+    drop: Option<&str>,
 ) -> Result<i64, AppError> {
-    if deallocate {
-        conn.batch_execute("DEALLOCATE ALL").await?;
+    if let Some(sql) = drop {
+        conn.batch_execute(sql).await?;
     }
     insert_effect(conn, "prepared", 1).await
 }
@@ -101,12 +101,11 @@ async fn statements_prepared_on_a_session_survive_failures_and_a_body_that_drops
     let env = env(2).await;
     // One connection, so every call meets what the calls before left on it.
     let pool = pool_of(&env.db, 1);
-    assert!(
-        !prepared_on_one_connection(&pool, "first", false)
-            .await
-            .unwrap()
-            .replayed
-    );
+    let call = |key: &'static str, drop: Option<&'static str>| {
+        let pool = pool.clone();
+        async move { prepared_on_one_connection(&pool, key, drop).await }
+    };
+    assert!(!call("first", None).await.unwrap().replayed);
     // The lock is held elsewhere: this call's lock waits past its deadline,
     // after its statements were prepared in the same message.
     let scope = idem::idempotency::scope_hash(&()).unwrap();
@@ -116,26 +115,27 @@ async fn statements_prepared_on_a_session_survive_failures_and_a_body_that_drops
     tokio_postgres::GenericClient::execute(&holder, "SELECT pg_advisory_xact_lock($1)", &[&lock])
         .await
         .unwrap();
-    let held = prepared_on_one_connection(&pool, "held", false).await;
+    let held = call("held", None).await;
     assert!(held.is_err(), "{held:?}");
     holder.commit().await.unwrap();
     // Prepared once, never again: no "already exists" after the failure.
-    assert!(
-        !prepared_on_one_connection(&pool, "held", false)
-            .await
-            .unwrap()
-            .replayed
-    );
-    // The body drops them all: the next call prepares them again.
-    assert!(
-        !prepared_on_one_connection(&pool, "dropped", true)
-            .await
-            .unwrap()
-            .replayed
-    );
-    for key in ["after", "first", "held", "dropped"] {
-        let answer = prepared_on_one_connection(&pool, key, key == "dropped").await;
-        assert_eq!(answer.unwrap().replayed, key != "after", "{key}");
+    assert!(!call("held", None).await.unwrap().replayed);
+    // The body drops one of them (the server says only DEALLOCATE, not
+    // which), then all of them: each next call prepares them again.
+    let one = Some("DEALLOCATE idem_read_v1");
+    assert!(!call("one", one).await.unwrap().replayed);
+    assert!(!call("after one", None).await.unwrap().replayed);
+    let all = Some("DEALLOCATE ALL");
+    assert!(!call("all", all).await.unwrap().replayed);
+    for (key, drop) in [
+        ("after all", None),
+        ("first", None),
+        ("held", None),
+        ("one", one),
+        ("all", all),
+    ] {
+        let answer = call(key, drop).await.unwrap();
+        assert_eq!(answer.replayed, key != "after all", "{key}");
     }
-    assert_eq!(env.effects("prepared").await, 4, "one effect per key");
+    assert_eq!(env.effects("prepared").await, 6, "one effect per key");
 }

@@ -117,6 +117,9 @@ struct State {
     /// idem's statements prepared on this session (`crate::tx`'s prepared
     /// statements), once the server answered their `PREPARE`.
     prepared: Vec<&'static str>,
+    /// Bumped whenever the session may have lost some of them: their names
+    /// carry it, so that preparing them again never meets one left over.
+    generation: u32,
 }
 
 impl Wire {
@@ -167,9 +170,12 @@ impl Wire {
         self.session_statements
     }
 
-    /// Whether idem's statement `name` is prepared on this session.
-    pub(crate) fn is_prepared(&self, name: &str) -> bool {
-        self.state().prepared.contains(&name)
+    /// Whether idem's statement `name` is prepared on this session, and
+    /// the generation its name carries (see [`crate::tx`]'s prepared
+    /// statements).
+    pub(crate) fn prepared(&self, name: &str) -> (bool, u32) {
+        let state = self.state();
+        (state.prepared.contains(&name), state.generation)
     }
 
     /// Stop riding; the captured rows, once their request was answered.
@@ -177,6 +183,12 @@ impl Wire {
         let rows = self.state().ride.disarm();
         self.riding.store(false, Ordering::Release);
         rows
+    }
+
+    /// As a `DEALLOCATE` seen on the wire does.
+    #[cfg(test)]
+    pub(crate) fn forget_prepared_for_test(&self) {
+        self.on_complete(b"DEALLOCATE ALL");
     }
 
     fn riding(&self) -> bool {
@@ -292,8 +304,11 @@ impl Wire {
                 state.prepared.push(name);
             }
         } else if tag.starts_with(b"DEALLOCATE") || tag == b"DISCARD ALL" {
-            // The body's own: every statement of the session may be gone.
+            // Someone else's: any of idem's statements may be gone (the tag
+            // does not say which), so all are prepared again, under new
+            // names, since some may still be there.
             state.prepared.clear();
+            state.generation += 1;
         }
         match tag {
             b"ROLLBACK" => state.rollbacks += 1,

@@ -9,7 +9,9 @@
 //! from its kept plan. The connection's wire counts a statement prepared
 //! once the server answered its `PREPARE` (a later failure in the same
 //! message does not undo it), and forgets them all at a `DEALLOCATE` or
-//! `DISCARD` (a body's own, say).
+//! `DISCARD ALL` (a body's own, say): the tag does not say which statement
+//! went, so all are prepared again, under names with a new generation
+//! (`idem_lock_v1_g1`), which none left over can hold.
 //!
 //! Behind a transaction pooler a session's prepared statements are not this
 //! client's (the next transaction may run on another server connection):
@@ -49,9 +51,17 @@ impl<'w> Session<'w> {
             substitute(statement.text, args, out);
             return;
         }
-        if !self.wire.is_prepared(statement.name) && !self.preparing.contains(&statement.name) {
-            out.push_str("PREPARE ");
+        let (prepared, generation) = self.wire.prepared(statement.name);
+        let name = |out: &mut String| {
             out.push_str(statement.name);
+            if generation > 0 {
+                out.push_str("_g");
+                out.push_str(&generation.to_string());
+            }
+        };
+        if !prepared && !self.preparing.contains(&statement.name) {
+            out.push_str("PREPARE ");
+            name(out);
             out.push('(');
             out.push_str(statement.types);
             out.push_str(") AS ");
@@ -60,7 +70,7 @@ impl<'w> Session<'w> {
             self.preparing.push(statement.name);
         }
         out.push_str("EXECUTE ");
-        out.push_str(statement.name);
+        name(out);
         out.push('(');
         for (i, arg) in args.iter().enumerate() {
             if i > 0 {
@@ -121,6 +131,19 @@ mod tests {
              EXECUTE idem_test_read_v1(1, 2); EXECUTE idem_test_read_v1(1, 2)"
         );
         assert_eq!(session.preparing(), vec!["idem_test_read_v1"]);
+    }
+
+    #[test]
+    fn after_a_deallocate_the_names_carry_a_new_generation() {
+        let wire = Wire::new(true);
+        wire.forget_prepared_for_test();
+        let mut out = String::new();
+        Session::new(&wire).call(&READ, &["'a'", "2"], &mut out);
+        assert!(
+            out.starts_with("PREPARE idem_test_read_v1_g1(text, bigint) AS ")
+                && out.ends_with("; EXECUTE idem_test_read_v1_g1('a', 2)"),
+            "{out}"
+        );
     }
 
     #[test]

@@ -287,9 +287,10 @@ fn a_statement_counts_as_prepared_once_its_prepare_is_answered() {
     ));
     o.read(&message(b'C', b"BEGIN\0"));
     o.read(&message(b'C', b"PREPARE\0"));
-    assert!(wire.is_prepared("idem_a_v1"));
-    assert!(
-        !wire.is_prepared("idem_b_v1"),
+    assert_eq!(wire.prepared("idem_a_v1"), (true, 0));
+    assert_eq!(
+        wire.prepared("idem_b_v1"),
+        (false, 0),
         "its PREPARE is not answered yet"
     );
     // The second PREPARE answered, then a later statement fails: both stay
@@ -298,10 +299,19 @@ fn a_statement_counts_as_prepared_once_its_prepare_is_answered() {
     o.read(&error(b"55P03"));
     o.read(&message(b'Z', b"E"));
     wire.unride();
-    assert!(wire.is_prepared("idem_a_v1") && wire.is_prepared("idem_b_v1"));
+    assert_eq!(wire.prepared("idem_b_v1"), (true, 0));
     // A PREPARE of the application's own is not idem's.
     o.read(&message(b'C', b"PREPARE\0"));
-    // A body's DEALLOCATE ALL (or DISCARD ALL) forgets them all.
-    o.read(&message(b'C', b"DEALLOCATE ALL\0"));
-    assert!(!wire.is_prepared("idem_a_v1") && !wire.is_prepared("idem_b_v1"));
+    // A body's DEALLOCATE of one of them (the tag does not say which), or
+    // DEALLOCATE ALL, or DISCARD ALL: all are to be prepared again, under a
+    // new generation of names.
+    for (tag, generation) in [
+        (&b"DEALLOCATE\0"[..], 1),
+        (b"DEALLOCATE ALL\0", 2),
+        (b"DISCARD ALL\0", 3),
+    ] {
+        o.read(&message(b'C', tag));
+        assert_eq!(wire.prepared("idem_a_v1"), (false, generation));
+        assert_eq!(wire.prepared("idem_b_v1"), (false, generation));
+    }
 }
