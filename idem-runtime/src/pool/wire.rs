@@ -242,11 +242,15 @@ impl Wire {
         }
     }
 
-    fn on_sent(&self, requests: usize) {
+    /// `requests` were written; the first simple query among them was the
+    /// `first_query`-th.
+    fn on_sent(&self, requests: usize, first_query: Option<usize>) {
         let now = Instant::now();
         let mut state = self.state();
-        let before = state.sent.len();
-        state.ride.on_request(before);
+        if let Some(n) = first_query {
+            let ahead = state.sent.len() + n;
+            state.ride.on_query(ahead);
+        }
         state.sent.extend(std::iter::repeat_n(now, requests));
     }
 
@@ -384,18 +388,21 @@ impl<S> Observed<S> {
     }
 
     fn written(&mut self, bytes: &[u8]) {
-        let mut requests = 0;
+        let (mut requests, mut first_query) = (0, None);
         self.frontend.feed(
             bytes,
             |_| 0,
             |kind, _| {
                 if matches!(kind, b'Q' | b'S') {
+                    if kind == b'Q' && first_query.is_none() {
+                        first_query = Some(requests);
+                    }
                     requests += 1;
                 }
             },
         );
         if requests > 0 {
-            self.wire.on_sent(requests);
+            self.wire.on_sent(requests, first_query);
         }
     }
 }

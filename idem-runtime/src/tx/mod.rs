@@ -29,11 +29,10 @@
 //! on the pooled connection (and it holds behind PgBouncer's transaction
 //! pooling).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool::managed::Object;
-use std::sync::Arc;
-
 use diesel::result::Error as DieselError;
 use diesel::QueryResult;
 use diesel_async::{

@@ -5,9 +5,9 @@
 //! `COMMIT` (so that a `conn.transaction(..)` in a body becomes a
 //! savepoint), and its supported hooks send each as one simple query. What
 //! rides on them is written into that same query (see `crate::pool`'s wire,
-//! which also keeps the rows tokio-postgres reads past): so it is SQL text
-//! with its values written in as literals ([`crate::sql`]), planned by the
-//! server at each call, never prepared.
+//! which also keeps the rows tokio-postgres reads past): so it is SQL text,
+//! with its values written in as literals ([`crate::sql`]), calling
+//! statements prepared once per session ([`super::prepared`]).
 //!
 //! # Failure
 //!

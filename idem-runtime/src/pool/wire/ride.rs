@@ -43,7 +43,7 @@ pub(super) struct Ride {
 enum Capture {
     #[default]
     Off,
-    /// The next request written is the one to capture.
+    /// The next simple query written is the one to capture.
     Next,
     /// It is written; this many requests are answered before it.
     Ahead(usize),
@@ -98,11 +98,13 @@ impl Ride {
         self.capture != Capture::Off
     }
 
-    /// A request (ended by a `Query` or a `Sync`) was written, with `before`
-    /// others still to be answered.
-    pub(super) fn on_request(&mut self, before: usize) {
+    /// A simple query was written, with `ahead` requests (each ended by a
+    /// `Query` or a `Sync`) to be answered before it. What rides is always
+    /// a simple query (`BEGIN`'s, `COMMIT`'s): a `Sync` written with it (of
+    /// a `Close` of a statement diesel-async dropped, say) is not it.
+    pub(super) fn on_query(&mut self, ahead: usize) {
         if self.capture == Capture::Next {
-            self.capture = Capture::Ahead(before);
+            self.capture = Capture::Ahead(ahead);
         }
     }
 

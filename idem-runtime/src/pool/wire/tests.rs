@@ -315,3 +315,26 @@ fn a_statement_counts_as_prepared_once_its_prepare_is_answered() {
         assert_eq!(wire.prepared("idem_b_v1"), (false, generation));
     }
 }
+
+#[test]
+fn the_capture_is_the_simple_query_not_a_sync_written_before_it() {
+    let mut o = started();
+    o.wire.ride(None, true, Vec::new());
+    // A Close and Sync of a dropped statement go out in the same write.
+    let mut out = message(b'C', b"Ss3\0");
+    out.extend(message(b'S', b""));
+    out.extend(message(b'Q', b"BEGIN; SELECT 'mine'\0"));
+    o.written(&out);
+    // The Sync's answer first, then the query's.
+    let mut answers = message(b'3', b"");
+    answers.extend(message(b'Z', b"I"));
+    answers.extend(message(b'C', b"BEGIN\0"));
+    answers.extend(message(b'T', b"\0\x01"));
+    answers.extend(data_row(&[Some(b"mine")]));
+    answers.extend(message(b'Z', b"T"));
+    o.read(&answers);
+    assert_eq!(
+        o.wire.unride(),
+        Some(Ok(vec![vec![Some(b"mine".to_vec())]]))
+    );
+}
