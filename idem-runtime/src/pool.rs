@@ -41,7 +41,9 @@ use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use tokio_postgres::config::{Host, SslMode, SslNegotiation};
 
-pub(crate) use wire::{MalformedRow, Marks, Refusal, Row, Wire};
+pub(crate) use wire::{
+    MalformedRow, Marks, Refusal, Row, Wire, MISSING_STATEMENT, TAKEN_STATEMENT,
+};
 
 /// Ask for the server's messages in the C locale, where the server lets us.
 ///
@@ -360,6 +362,13 @@ impl deadpool::managed::Manager for Manager {
         if std::thread::panicking() || obj.conn.is_broken() || !obj.wire.idle(SETTLE).await {
             return Err(deadpool::managed::RecycleError::message(
                 "closed, in a transaction, or still owed an answer",
+            ));
+        }
+        // A session whose client encoding someone changed reads the SQL
+        // text idem writes (see `crate::tx`) in another encoding.
+        if obj.wire.foreign_encoding().is_some() {
+            return Err(deadpool::managed::RecycleError::message(
+                "its client_encoding is no longer UTF8",
             ));
         }
         Ok(())

@@ -20,6 +20,8 @@ use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, Semaphore};
 
+mod attack;
+mod attack_wire;
 mod closing;
 mod derived_keys;
 mod external;

@@ -120,6 +120,24 @@ struct State {
     /// Bumped whenever the session may have lost some of them: their names
     /// carry it, so that preparing them again never meets one left over.
     generation: u32,
+    /// The session's `client_encoding`, when the server said it is not
+    /// UTF8 (tokio-postgres sets UTF8; a body's `SET` can change it).
+    foreign_encoding: Option<String>,
+}
+
+/// SQLSTATE `invalid_sql_statement_name`: `EXECUTE` of a statement the
+/// session does not hold.
+pub(crate) const MISSING_STATEMENT: &[u8; 5] = b"26000";
+
+/// SQLSTATE `duplicate_prepared_statement`: `PREPARE` of a name the session
+/// holds already.
+pub(crate) const TAKEN_STATEMENT: &[u8; 5] = b"42P05";
+
+impl State {
+    fn forget_prepared(&mut self) {
+        self.prepared.clear();
+        self.generation += 1;
+    }
 }
 
 impl Wire {
@@ -189,6 +207,23 @@ impl Wire {
     #[cfg(test)]
     pub(crate) fn forget_prepared_for_test(&self) {
         self.on_complete(b"DEALLOCATE ALL");
+    }
+
+    /// The session's client encoding, when it is not UTF8: SQL text written
+    /// as UTF-8 is then read in another encoding, where a literal's quoting
+    /// does not hold.
+    pub(crate) fn foreign_encoding(&self) -> Option<String> {
+        self.state().foreign_encoding.clone()
+    }
+
+    /// A `ParameterStatus` body: a name and a value, each NUL-terminated.
+    fn on_parameter(&self, body: &[u8]) {
+        let mut parts = body.split(|&b| b == 0);
+        if parts.next() == Some(b"client_encoding") {
+            let value = parts.next().unwrap_or_default();
+            self.state().foreign_encoding = (!value.eq_ignore_ascii_case(b"UTF8"))
+                .then(|| String::from_utf8_lossy(value).into_owned());
+        }
     }
 
     fn riding(&self) -> bool {
@@ -261,6 +296,13 @@ impl Wire {
         // backend, a shutdown): nothing sent after it runs, so the
         // transaction is over, before the socket's end is even read.
         state.closed |= fatal;
+        if code == *MISSING_STATEMENT || code == *TAKEN_STATEMENT {
+            // A prepared statement is gone unseen (dropped inside a function,
+            // or a transaction pooler between client and server), or one of
+            // idem's names was taken by the application's own: idem's are
+            // prepared again, under new names.
+            state.forget_prepared();
+        }
         let started = match (state.sent.front().copied(), state.answered) {
             (Some(sent), Some(answered)) => sent.max(answered),
             (sent, answered) => sent.or(answered).unwrap_or(now),
@@ -311,8 +353,7 @@ impl Wire {
             // Someone else's: any of idem's statements may be gone (the tag
             // does not say which), so all are prepared again, under new
             // names, since some may still be there.
-            state.prepared.clear();
-            state.generation += 1;
+            state.forget_prepared();
         }
         match tag {
             b"ROLLBACK" => state.rollbacks += 1,
@@ -373,13 +414,14 @@ impl<S> Observed<S> {
     fn read(&mut self, bytes: &[u8]) {
         let wire = &self.wire;
         let keep = |kind| match kind {
-            b'Z' | b'E' | b'C' => KEPT,
+            b'Z' | b'E' | b'C' | b'S' => KEPT,
             b'D' if wire.keeps_rows() => usize::MAX,
             _ => 0,
         };
         self.backend.feed(bytes, keep, |kind, body| match kind {
             b'Z' => wire.on_ready(body.first().copied().unwrap_or(0)),
             b'T' => wire.on_description(),
+            b'S' => wire.on_parameter(body),
             b'D' => wire.on_row(body),
             b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), fatal(body)),
             b'C' => wire.on_complete(body.strip_suffix(&[0]).unwrap_or(body)),

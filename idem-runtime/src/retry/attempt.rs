@@ -204,6 +204,12 @@ impl Attempt {
         }
     }
 
+    /// Whether its transaction failed on a prepared statement of idem's the
+    /// session no longer held (see `crate::tx`'s prepared statements).
+    pub(crate) fn statement_lost(&self) -> bool {
+        self.tx.as_ref().is_some_and(Tx::statement_lost)
+    }
+
     /// Whether the body ended (or began) a transaction itself; `Some(true)`
     /// when it committed what it had written.
     pub(crate) fn ended_by_body(&self) -> Option<bool> {

@@ -195,7 +195,7 @@ impl Tx {
         let mut riding = false;
         if let Some(render) = opening {
             let mut session = Session::new(&wire);
-            match render(&mut session) {
+            match pipeline::literals_hold(&wire).and_then(|()| render(&mut session)) {
                 Ok(statements) => {
                     sql.push_str("; ");
                     sql.push_str(&statements);
@@ -236,6 +236,17 @@ impl Tx {
                 Err(BeginFailure(err))
             }
         }
+    }
+
+    /// The transaction failed on a prepared statement of idem's the session
+    /// did not hold (dropped where the wire could not see it), or on a
+    /// name of idem's the application had taken: the next attempt prepares
+    /// them again, under new names.
+    pub(crate) fn statement_lost(&self) -> bool {
+        use crate::pool::{MISSING_STATEMENT, TAKEN_STATEMENT};
+        self.wire()
+            .and_then(Wire::abort)
+            .is_some_and(|r| &r.code == MISSING_STATEMENT || &r.code == TAKEN_STATEMENT)
     }
 
     /// What the statements sent with `BEGIN` answered, taken.

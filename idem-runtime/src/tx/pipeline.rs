@@ -26,7 +26,7 @@ use diesel::QueryResult;
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 
 use super::{CommitFailure, Session, Tx};
-use crate::pool::{MalformedRow, Row};
+use crate::pool::{MalformedRow, Row, Wire};
 
 /// Statements to send with `BEGIN`, whose last one's rows are read.
 pub(crate) trait Opening {
@@ -67,6 +67,23 @@ pub(crate) enum Closing {
     Commit(CommitFailure),
 }
 
+/// Whether literals written as UTF-8 read as written on this session: not
+/// when its client encoding was changed (a body's `SET client_encoding`),
+/// where a multibyte character can swallow a quote's escape. Then nothing
+/// rides: the call fails, and writes nothing.
+pub(crate) fn literals_hold(wire: &Wire) -> QueryResult<()> {
+    match wire.foreign_encoding() {
+        None => Ok(()),
+        Some(encoding) => Err(DieselError::QueryBuilderError(
+            format!(
+                "idem: the session's client_encoding is {encoding}, not UTF8 (set by the \
+                 function's body?); local mode's statements are not sent"
+            )
+            .into(),
+        )),
+    }
+}
+
 /// `sql`, refused when a simple query cannot carry it: its text ends at
 /// the first NUL (no value idem writes in has one; this keeps it so).
 pub(crate) fn simple_query(sql: String) -> QueryResult<String> {
@@ -105,8 +122,8 @@ impl Tx {
         // Nothing was sent yet: the transaction is still sound.
         let wire = self.wire_arc();
         let mut session = Session::new(&wire);
-        let sql = last
-            .sql(&mut session)
+        let sql = literals_hold(&wire)
+            .and_then(|()| last.sql(&mut session))
             .and_then(simple_query)
             .map_err(Closing::Failed)?;
         wire.ride(
@@ -137,6 +154,7 @@ impl Tx {
     pub(crate) async fn run<O: Opening>(&mut self, first: &O) -> QueryResult<O::Output> {
         let wire = self.wire_arc();
         let mut session = Session::new(&wire);
+        literals_hold(&wire)?;
         let sql = simple_query(first.sql(&mut session)?)?;
         wire.ride(None, true, session.preparing());
         let mut shared: &AsyncPgConnection = self.conn();

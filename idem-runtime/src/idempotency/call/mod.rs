@@ -169,6 +169,10 @@ impl<E> Call<E> {
             // with the attempt's BEGIN.
             let stored = match attempt.open_with(&self.request.lock_and_read()).await {
                 Ok(Ok(stored)) => stored,
+                // Prepared again by the next attempt.
+                Ok(Err(_)) if attempt.statement_lost() => {
+                    return Some(Ok(Step::Again(Duration::ZERO)))
+                }
                 Ok(Err(e)) => return Some(Err(db(e))),
                 Err(e) => return Some(Err(E::from(e))),
             };
@@ -359,6 +363,10 @@ impl<E> Call<E> {
         match attempt.commit_with(&last).await {
             Ok(stored) => Ok((Step::Committed(Ok(())), self.kept(outcome, stored))),
             Err(Closing::Failed(e)) if store::record_taken(&e) => {
+                Ok((Step::Again(Duration::ZERO), None))
+            }
+            // Prepared again by the next attempt.
+            Err(Closing::Failed(_)) if attempt.statement_lost() => {
                 Ok((Step::Again(Duration::ZERO), None))
             }
             Err(Closing::Failed(e)) => Err(db(e)),
