@@ -121,8 +121,14 @@ async fn statements_prepared_on_a_session_survive_failures_and_a_body_that_drops
     // Prepared once, never again: no "already exists" after the failure.
     assert!(!call("held", None).await.unwrap().replayed);
     // The body drops one of them (the server says only DEALLOCATE, not
-    // which), then all of them: each next call prepares them again.
-    let one = Some("DEALLOCATE idem_read_v1");
+    // which), then all of them: each next call prepares them again. Behind
+    // a transaction pooler nothing of idem's is prepared (its statements are
+    // written out whole), so there is none to drop by name.
+    let one = if env.db.via().is_transaction_pooling() {
+        Some("DEALLOCATE ALL")
+    } else {
+        Some("DEALLOCATE idem_read_v1")
+    };
     assert!(!call("one", one).await.unwrap().replayed);
     assert!(!call("after one", None).await.unwrap().replayed);
     let all = Some("DEALLOCATE ALL");
