@@ -279,14 +279,18 @@ impl Wire {
 
     /// `requests` were written; the first simple query among them was the
     /// `first_query`-th.
-    fn on_sent(&self, requests: usize, first_query: Option<usize>) {
-        let now = Instant::now();
+    ///
+    /// `at`: when their write began. Taken before the write, never after:
+    /// a thread preempted between the write and the clock would date the
+    /// requests late, and a lock timeout that ran its full bound would look
+    /// shorter than the loop's own (see [`crate::cause::from_sqlstate`]).
+    fn on_sent(&self, requests: usize, first_query: Option<usize>, at: Instant) {
         let mut state = self.state();
         if let Some(n) = first_query {
             let ahead = state.sent.len() + n;
             state.ride.on_query(ahead);
         }
-        state.sent.extend(std::iter::repeat_n(now, requests));
+        state.sent.extend(std::iter::repeat_n(at, requests));
     }
 
     fn on_error(&self, code: [u8; 5], fatal: bool) {
@@ -429,7 +433,13 @@ impl<S> Observed<S> {
         });
     }
 
+    #[cfg(test)]
     fn written(&mut self, bytes: &[u8]) {
+        self.written_at(bytes, Instant::now());
+    }
+
+    /// `bytes` went out; their write began `at`.
+    fn written_at(&mut self, bytes: &[u8], at: Instant) {
         let (mut requests, mut first_query) = (0, None);
         self.frontend.feed(
             bytes,
@@ -444,7 +454,7 @@ impl<S> Observed<S> {
             },
         );
         if requests > 0 {
-            self.wire.on_sent(requests, first_query);
+            self.wire.on_sent(requests, first_query, at);
         }
     }
 }
@@ -524,7 +534,8 @@ impl<S: AsyncWrite + Unpin> Observed<S> {
     fn owe(&mut self, buf: &[u8], owed: Vec<u8>, taken: usize) -> usize {
         self.owed = owed;
         self.owed_at = 0;
-        self.written(&buf[..taken]);
+        // Before the owed bytes are written (see `Wire::on_sent`).
+        self.written_at(&buf[..taken], Instant::now());
         taken
     }
 }
@@ -567,9 +578,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
                 return Poll::Ready(Ok(taken));
             }
         }
+        let at = Instant::now();
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
         match &polled {
-            Poll::Ready(Ok(n)) => this.written(&buf[..*n]),
+            Poll::Ready(Ok(n)) => this.written_at(&buf[..*n], at),
             Poll::Ready(Err(_)) => this.wire.on_closed(),
             Poll::Pending => {}
         }
