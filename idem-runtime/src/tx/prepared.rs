@@ -11,7 +11,10 @@
 //! message does not undo it), and forgets them all at a `DEALLOCATE` or
 //! `DISCARD ALL` (a body's own, say): the tag does not say which statement
 //! went, so all are prepared again, under names with a new generation
-//! (`idem_lock_v1_g1`), which none left over can hold.
+//! (`idem_lock_v1_g1`), which none left over can hold. So it does at an
+//! `EXECUTE` of a statement the session lost unseen (26000: dropped inside
+//! a function) and at a `PREPARE` of a name the application took (42P05);
+//! the call then goes round once more (see `crate::idempotency`'s call).
 //!
 //! Behind a transaction pooler a session's prepared statements are not this
 //! client's (the next transaction may run on another server connection):
