@@ -127,11 +127,20 @@ struct State {
 
 /// SQLSTATE `invalid_sql_statement_name`: `EXECUTE` of a statement the
 /// session does not hold.
-pub(crate) const MISSING_STATEMENT: &[u8; 5] = b"26000";
+const MISSING_STATEMENT: &[u8; 5] = b"26000";
 
 /// SQLSTATE `duplicate_prepared_statement`: `PREPARE` of a name the session
 /// holds already.
-pub(crate) const TAKEN_STATEMENT: &[u8; 5] = b"42P05";
+const TAKEN_STATEMENT: &[u8; 5] = b"42P05";
+
+/// Whether a refusal with SQLSTATE `code` means a prepared statement of
+/// idem's is gone unseen (dropped inside a function, or a transaction pooler
+/// between client and server) or one of its names was taken by the
+/// application's own: the session's statements are prepared again, under
+/// new names.
+pub(crate) fn loses_statements(code: &[u8; 5]) -> bool {
+    code == MISSING_STATEMENT || code == TAKEN_STATEMENT
+}
 
 impl State {
     fn forget_prepared(&mut self) {
@@ -300,11 +309,7 @@ impl Wire {
         // backend, a shutdown): nothing sent after it runs, so the
         // transaction is over, before the socket's end is even read.
         state.closed |= fatal;
-        if code == *MISSING_STATEMENT || code == *TAKEN_STATEMENT {
-            // A prepared statement is gone unseen (dropped inside a function,
-            // or a transaction pooler between client and server), or one of
-            // idem's names was taken by the application's own: idem's are
-            // prepared again, under new names.
+        if loses_statements(&code) {
             state.forget_prepared();
         }
         let started = match (state.sent.front().copied(), state.answered) {

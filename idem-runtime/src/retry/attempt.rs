@@ -22,9 +22,7 @@ use deadpool::managed::TimeoutType;
 use super::{Isolation, RetryCause, Transient};
 use crate::error::Error;
 use crate::pool::{Pool, PoolError};
-use crate::tx::{
-    simple_query, Closing, CommitFailure, Last, Opening as First, Render, Session, Timeouts, Tx,
-};
+use crate::tx::{Closing, CommitFailure, Last, Opening as First, Render, Session, Timeouts, Tx};
 
 /// How an attempt begins its transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,7 +145,7 @@ impl Attempt {
         match self.tx.as_mut() {
             Some(tx) => Ok(tx.run(first).await),
             None => {
-                let render = |session: &mut Session<'_>| first.sql(session).and_then(simple_query);
+                let render = |session: &mut Session<'_>| first.sql(session);
                 self.begin_deferred(Some(&render)).await?;
                 let tx = self.tx.as_mut().expect("just begun");
                 Ok(tx

@@ -44,7 +44,7 @@ use crate::pool::{Marks, PooledConnection, Refusal, Replication, Row, Wire};
 
 mod pipeline;
 mod prepared;
-pub(crate) use pipeline::{simple_query, Closing, Last, Opening, Render};
+pub(crate) use pipeline::{Closing, Last, Opening, Render};
 pub(crate) use prepared::{Prepared, Session};
 
 /// The isolation level each attempt's transaction begins with.
@@ -194,12 +194,11 @@ impl Tx {
         let before = wire.marks();
         let mut riding = false;
         if let Some(render) = opening {
-            let mut session = Session::new(&wire);
-            match pipeline::literals_hold(&wire).and_then(|()| render(&mut session)) {
-                Ok(statements) => {
+            match pipeline::ride_text(&wire, render) {
+                Ok((statements, preparing)) => {
                     sql.push_str("; ");
                     sql.push_str(&statements);
-                    wire.ride(None, true, session.preparing());
+                    wire.ride(None, true, preparing);
                     riding = true;
                 }
                 // Nothing to send with BEGIN: the transaction opens without
@@ -243,10 +242,9 @@ impl Tx {
     /// name of idem's the application had taken: the next attempt prepares
     /// them again, under new names.
     pub(crate) fn statement_lost(&self) -> bool {
-        use crate::pool::{MISSING_STATEMENT, TAKEN_STATEMENT};
         self.wire()
             .and_then(Wire::abort)
-            .is_some_and(|r| &r.code == MISSING_STATEMENT || &r.code == TAKEN_STATEMENT)
+            .is_some_and(|r| crate::pool::loses_statements(&r.code))
     }
 
     /// What the statements sent with `BEGIN` answered, taken.

@@ -67,11 +67,25 @@ pub(crate) enum Closing {
     Commit(CommitFailure),
 }
 
+/// The text `write` renders for one ride on `wire`'s session, and the
+/// statements it prepares there; refused before anything is sent when the
+/// session would not read its literals as written ([`literals_hold`]) or a
+/// simple query cannot carry it ([`simple_query`]).
+pub(super) fn ride_text(
+    wire: &Wire,
+    write: impl FnOnce(&mut Session<'_>) -> QueryResult<String>,
+) -> QueryResult<(String, Vec<&'static str>)> {
+    literals_hold(wire)?;
+    let mut session = Session::new(wire);
+    let sql = simple_query(write(&mut session)?)?;
+    Ok((sql, session.preparing()))
+}
+
 /// Whether literals written as UTF-8 read as written on this session: not
 /// when its client encoding was changed (a body's `SET client_encoding`),
 /// where a multibyte character can swallow a quote's escape. Then nothing
 /// rides: the call fails, and writes nothing.
-pub(crate) fn literals_hold(wire: &Wire) -> QueryResult<()> {
+fn literals_hold(wire: &Wire) -> QueryResult<()> {
     match wire.foreign_encoding() {
         None => Ok(()),
         Some(encoding) => Err(DieselError::QueryBuilderError(
@@ -86,7 +100,7 @@ pub(crate) fn literals_hold(wire: &Wire) -> QueryResult<()> {
 
 /// `sql`, refused when a simple query cannot carry it: its text ends at
 /// the first NUL (no value idem writes in has one; this keeps it so).
-pub(crate) fn simple_query(sql: String) -> QueryResult<String> {
+fn simple_query(sql: String) -> QueryResult<String> {
     if sql.contains('\0') {
         return Err(DieselError::SerializationError(
             "idem: a statement sent with BEGIN or COMMIT contains a NUL character".into(),
@@ -121,16 +135,9 @@ impl Tx {
         }
         // Nothing was sent yet: the transaction is still sound.
         let wire = self.wire_arc();
-        let mut session = Session::new(&wire);
-        let sql = literals_hold(&wire)
-            .and_then(|()| last.sql(&mut session))
-            .and_then(simple_query)
-            .map_err(Closing::Failed)?;
-        wire.ride(
-            Some(sql.into_bytes()),
-            last.returns_rows(),
-            session.preparing(),
-        );
+        let (sql, preparing) =
+            ride_text(&wire, |session| last.sql(session)).map_err(Closing::Failed)?;
+        wire.ride(Some(sql.into_bytes()), last.returns_rows(), preparing);
         let committed = self.send_commit(timeout).await;
         let rows = wire.unride().and_then(Result::ok);
         match committed {
@@ -153,10 +160,8 @@ impl Tx {
     /// Run `first` on the open transaction, as one simple query of its own.
     pub(crate) async fn run<O: Opening>(&mut self, first: &O) -> QueryResult<O::Output> {
         let wire = self.wire_arc();
-        let mut session = Session::new(&wire);
-        literals_hold(&wire)?;
-        let sql = simple_query(first.sql(&mut session)?)?;
-        wire.ride(None, true, session.preparing());
+        let (sql, preparing) = ride_text(&wire, |session| first.sql(session))?;
+        wire.ride(None, true, preparing);
         let mut shared: &AsyncPgConnection = self.conn();
         let ran = shared.batch_execute(&sql).await;
         let rows = wire.unride();
