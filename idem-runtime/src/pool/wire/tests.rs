@@ -1,3 +1,8 @@
+use std::sync::Arc;
+
+use std::io;
+
+use super::frame::sqlstate;
 use super::*;
 
 fn message(kind: u8, body: &[u8]) -> Vec<u8> {

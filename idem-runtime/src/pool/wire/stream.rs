@@ -1,0 +1,258 @@
+//! The stream in between: a connection's socket, read and written through,
+//! with what passes reported to its [`Wire`], and local mode's statement
+//! written in front of the `COMMIT` it rides on (see [`ride`]).
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Instant;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream};
+use tokio_postgres::Socket;
+
+use super::frame::{fatal, sqlstate, Framer, KEPT};
+use super::{ride, Wire};
+
+/// A connection's stream, read and written through, with what it says
+/// reported to its [`Wire`].
+pub(crate) struct Observed<S> {
+    pub(super) inner: S,
+    pub(super) wire: Arc<Wire>,
+    backend: Framer,
+    frontend: Framer,
+    /// A rewritten message (a statement riding on `COMMIT`) not yet all
+    /// written to the socket, and how much of it is.
+    owed: Vec<u8>,
+    owed_at: usize,
+}
+
+impl<S> Observed<S> {
+    pub(super) fn new(inner: S, wire: Arc<Wire>) -> Self {
+        Observed {
+            inner,
+            wire,
+            backend: Framer::new(false),
+            frontend: Framer::new(true),
+            owed: Vec::new(),
+            owed_at: 0,
+        }
+    }
+
+    pub(super) fn read(&mut self, bytes: &[u8]) {
+        let wire = &self.wire;
+        let keep = |kind| match kind {
+            b'Z' | b'E' | b'C' | b'S' => KEPT,
+            b'D' if wire.keeps_rows() => usize::MAX,
+            _ => 0,
+        };
+        self.backend.feed(bytes, keep, |kind, body| match kind {
+            b'Z' => wire.on_ready(body.first().copied().unwrap_or(0)),
+            b'T' => wire.on_description(),
+            b'S' => wire.on_parameter(body),
+            b'D' => wire.on_row(body),
+            b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), fatal(body)),
+            b'C' => wire.on_complete(body.strip_suffix(&[0]).unwrap_or(body)),
+            _ => {}
+        });
+    }
+
+    #[cfg(test)]
+    pub(super) fn written(&mut self, bytes: &[u8]) {
+        self.written_at(bytes, Instant::now());
+    }
+
+    /// `bytes` went out; their write began `at`.
+    fn written_at(&mut self, bytes: &[u8], at: Instant) {
+        let (mut requests, mut first_query) = (0, None);
+        self.frontend.feed(
+            bytes,
+            |_| 0,
+            |kind, _| {
+                if matches!(kind, b'Q' | b'S') {
+                    if kind == b'Q' && first_query.is_none() {
+                        first_query = Some(requests);
+                    }
+                    requests += 1;
+                }
+            },
+        );
+        if requests > 0 {
+            self.wire.on_sent(requests, first_query, at);
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> Observed<S> {
+    /// Write what is owed of a rewritten message first.
+    fn poll_owed(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.owed_at < self.owed.len() {
+            match Pin::new(&mut self.inner).poll_write(cx, &self.owed[self.owed_at..]) {
+                Poll::Ready(Ok(0)) => {
+                    self.wire.on_closed();
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                Poll::Ready(Ok(n)) => self.owed_at += n,
+                Poll::Ready(Err(e)) => {
+                    self.wire.on_closed();
+                    return Poll::Ready(Err(e));
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        self.owed.clear();
+        self.owed_at = 0;
+        Poll::Ready(Ok(()))
+    }
+
+    /// When a statement is to ride on the next `Query` (see [`ride`]): the
+    /// first `Query` that starts in `buf` is taken, with what precedes it
+    /// (a `Close` of a statement diesel-async dropped, say), and owed with
+    /// the statement written in front of its text. Returns how much of `buf`
+    /// was taken; `None` when `buf` holds no `Query`'s start (it is written
+    /// as it is, and the statement still waits). A `Query` this write does
+    /// not hold whole fails the write (tokio-postgres always writes whole
+    /// messages), so that it cannot go out without what rides on it.
+    fn ride_on(&mut self, buf: &[u8]) -> io::Result<Option<usize>> {
+        if !self.wire.state().ride.has_prefix() {
+            return Ok(None);
+        }
+        let Some(mut at) = self.frontend.next_start(buf) else {
+            return Ok(None);
+        };
+        loop {
+            let Some(rest) = buf.get(at..).filter(|rest| !rest.is_empty()) else {
+                return Ok(None);
+            };
+            let whole = rest
+                .get(1..5)
+                .map(|len| 1 + u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize)
+                .filter(|&n| n >= 5 && rest.len() >= n);
+            match (rest[0], whole) {
+                (b'Q', Some(n)) => {
+                    let Some(prefix) = self.wire.state().ride.take_prefix() else {
+                        return Ok(None);
+                    };
+                    let mut owed = buf[..at].to_vec();
+                    owed.extend(ride::prefixed(&prefix, &rest[5..n]));
+                    return Ok(Some(self.owe(buf, owed, at + n)));
+                }
+                (_, Some(n)) => at += n,
+                // What precedes a message this write does not hold whole.
+                (_, None) if at > 0 => {
+                    let owed = buf[..at].to_vec();
+                    return Ok(Some(self.owe(buf, owed, at)));
+                }
+                (b'Q', None) => {
+                    self.wire.on_closed();
+                    return Err(io::Error::other(
+                        "idem: a statement to ride on COMMIT met a query not written whole; the connection is closed before anything commits",
+                    ));
+                }
+                (_, None) => return Ok(None),
+            }
+        }
+    }
+
+    /// Owe `owed` in place of `buf[..taken]`, which the framer reads.
+    fn owe(&mut self, buf: &[u8], owed: Vec<u8>, taken: usize) -> usize {
+        self.owed = owed;
+        self.owed_at = 0;
+        // Before the owed bytes are written (see `Wire::on_sent`).
+        self.written_at(&buf[..taken], Instant::now());
+        taken
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Observed<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        match &polled {
+            Poll::Ready(Ok(())) if buf.filled().len() == before => this.wire.on_closed(),
+            Poll::Ready(Ok(())) => this.read(&buf.filled()[before..]),
+            Poll::Ready(Err(_)) => this.wire.on_closed(),
+            Poll::Pending => {}
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if let Err(e) = ready!(this.poll_owed(cx)) {
+            return Poll::Ready(Err(e));
+        }
+        if this.wire.riding() {
+            if let Some(taken) = this.ride_on(buf)? {
+                // Sent now if the socket takes it; owed (and flushed) if not.
+                if let Poll::Ready(Err(e)) = this.poll_owed(cx) {
+                    return Poll::Ready(Err(e));
+                }
+                return Poll::Ready(Ok(taken));
+            }
+        }
+        let at = Instant::now();
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        match &polled {
+            Poll::Ready(Ok(n)) => this.written_at(&buf[..*n], at),
+            Poll::Ready(Err(_)) => this.wire.on_closed(),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        ready!(this.poll_owed(cx))?;
+        Pin::new(&mut this.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        ready!(this.poll_owed(cx))?;
+        Pin::new(&mut this.inner).poll_shutdown(cx)
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> TlsStream for Observed<S> {
+    fn channel_binding(&self) -> ChannelBinding {
+        ChannelBinding::none()
+    }
+}
+
+/// The "TLS connector" that puts an [`Observed`] stream around a new
+/// connection's socket and reports to `wire`.
+#[derive(Clone)]
+pub(crate) struct Observe(pub(crate) Arc<Wire>);
+
+impl MakeTlsConnect<Socket> for Observe {
+    type Stream = Observed<Socket>;
+    type TlsConnect = Observe;
+    type Error = io::Error;
+
+    fn make_tls_connect(&mut self, _domain: &str) -> io::Result<Observe> {
+        Ok(self.clone())
+    }
+}
+
+impl TlsConnect<Socket> for Observe {
+    type Stream = Observed<Socket>;
+    type Error = io::Error;
+    type Future = std::future::Ready<io::Result<Observed<Socket>>>;
+
+    fn connect(self, stream: Socket) -> Self::Future {
+        std::future::ready(Ok(Observed::new(stream, self.0)))
+    }
+}
