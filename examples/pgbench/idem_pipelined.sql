@@ -1,7 +1,7 @@
 -- Local mode's round trips as idem sends them: the advisory lock and the
 -- read with BEGIN, the handler, the record (a plain INSERT) with COMMIT.
--- pgbench pipelines prepared statements; idem writes EXECUTEs of statements
--- it prepared once per connection into BEGIN's and COMMIT's simple queries.
+-- pgbench pipelines prepared statements, as idem does: its wire replaces
+-- BEGIN's and COMMIT's simple queries with extended-protocol messages.
 \set id random(1, 4000000000000000)
 \startpipeline
 BEGIN ISOLATION LEVEL READ COMMITTED;

@@ -1,8 +1,6 @@
 //! SQL text with its values written in: literals for the statements idem
-//! sends as simple queries (DDL, and the statements that ride on `BEGIN`
-//! and `COMMIT`, see [`crate::tx`]), where no parameter can be bound.
-
-use std::fmt::Write;
+//! sends as simple queries (DDL), where no parameter can be bound; and hex
+//! as PostgreSQL writes it, read back.
 
 /// Like PostgreSQL's `quote_literal`: single quotes doubled, and an `E''`
 /// string with doubled backslashes when there is a backslash, so the result
@@ -36,16 +34,6 @@ pub(crate) fn push_literal(out: &mut String, value: &str) {
     out.push('\'');
 }
 
-/// `value` as a `bytea` literal: `'\x..'` in an `E''` string, whatever
-/// `standard_conforming_strings` is.
-pub(crate) fn push_bytea(out: &mut String, value: &[u8]) {
-    out.push_str("E'\\\\x");
-    for byte in value {
-        let _ = write!(out, "{byte:02x}");
-    }
-    out.push_str("'::bytea");
-}
-
 /// Lowercase hex, as `encode(.., 'hex')` writes it, back to bytes.
 pub(crate) fn from_hex(text: &[u8]) -> Option<Vec<u8>> {
     fn nibble(c: u8) -> Option<u8> {
@@ -73,9 +61,6 @@ mod tests {
         assert_eq!(quote_literal("it's"), "'it''s'");
         assert_eq!(quote_literal(r"a\'b"), r"E'a\\''b'");
         assert_eq!(quote_literal("плов"), "'плов'");
-        let mut out = String::new();
-        push_bytea(&mut out, &[0, 0xab, 0xff]);
-        assert_eq!(out, r"E'\\x00abff'::bytea");
     }
 
     #[test]

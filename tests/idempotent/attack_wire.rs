@@ -35,29 +35,31 @@ async fn proxy_env() -> ProxyEnv {
 async fn attack_faults_on_begin_and_commit_messages() {
     let p = proxy_env().await;
     let (env, pool) = (&p.env, &p.pool);
-    // Cold connection: the BEGIN message (with its PREPAREs) is lost after
+    // Cold connection: the BEGIN message (with its Parses) is lost after
     // the server ran it; the retry runs on a fresh connection.
-    p.proxy.arm("idem_read_v1", Fault::CutAfter);
+    p.proxy.arm("encode(fingerprint, 'hex')", Fault::CutAfter);
     let r = body_runs(pool, "b1", "faults", "").await;
     assert!(matches!(&r, Ok(v) if !v.replayed), "{r:?}");
     assert_eq!(env.effects("faults").await, 1);
     // Warm connection: lost before it reaches the server.
     healthy(env, pool, "faults-warm", 1).await;
-    p.proxy.arm("EXECUTE idem_lock_v1", Fault::CutBefore);
+    p.proxy.arm("pg_advisory_xact_lock", Fault::CutBefore);
     let r = body_runs(pool, "b2", "faults", "").await;
     assert!(matches!(&r, Ok(v) if !v.replayed), "{r:?}");
     assert_eq!(env.effects("faults").await, 2);
     // The COMMIT message (record + COMMIT) runs, its answer is lost.
     healthy(env, pool, "faults-warm2", 1).await;
-    p.proxy.arm("EXECUTE idem_complete_v1", Fault::CutAfter);
+    p.proxy
+        .arm("INSERT INTO idem_requests AS r", Fault::CutAfter);
     let r = body_runs(pool, "c1", "faults", "").await;
     assert!(matches_idem(&r, "CommitUnknown"), "{r:?}");
     let again = body_runs(pool, "c1", "faults", "").await;
     assert!(matches!(&again, Ok(v) if v.replayed), "{again:?}");
     assert_eq!(env.effects("faults").await, 3);
-    // Cold connection's COMMIT message (with its PREPARE) lost before.
+    // Cold connection's COMMIT message (with its Parse) lost before.
     p.proxy.cut_all();
-    p.proxy.arm("PREPARE idem_complete_v1", Fault::CutBefore);
+    p.proxy
+        .arm("INSERT INTO idem_requests AS r", Fault::CutBefore);
     let r = body_runs(pool, "c2", "faults", "").await;
     assert!(r.is_err(), "{r:?}");
     assert_eq!(env.effects("faults").await, 3);
@@ -76,7 +78,7 @@ async fn attack_backend_terminated_while_commit_in_flight() {
     let (env, pool) = (&p.env, &p.pool);
     healthy(env, pool, "term-warm", 1).await;
     p.proxy.arm(
-        "EXECUTE idem_complete_v1",
+        "INSERT INTO idem_requests AS r",
         Fault::HoldRequest(Duration::from_millis(800)),
     );
     let call = {

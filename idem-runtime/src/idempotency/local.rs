@@ -10,7 +10,7 @@ use diesel::QueryResult;
 use super::request::{micros, Request, Stored};
 use super::store::{Complete, Outcome, LOCK, READ_TEXT};
 use crate::pool::Row;
-use crate::sql::{from_hex, push_literal};
+use crate::sql::from_hex;
 use crate::tx::{Last, Opening, Session};
 
 /// The advisory lock and the read of a local request's record ([`LOCK`],
@@ -29,20 +29,24 @@ impl<'r> LockAndRead<'r> {
 impl Opening for LockAndRead<'_> {
     type Output = Option<Stored>;
 
-    fn sql(&self, session: &mut Session<'_>) -> QueryResult<String> {
+    fn write(&self, session: &mut Session<'_>) -> QueryResult<()> {
         let request = self.0;
         let lock_key = request.lock_key().to_string();
-        let (mut scope, mut key) = (String::new(), String::new());
-        push_literal(&mut scope, request.scope());
-        push_literal(&mut key, request.key());
-        let mut sql = String::with_capacity(600 + key.len());
-        session.call(&LOCK, &[&lock_key], &mut sql);
-        sql.push_str("; ");
-        session.call(&READ_TEXT, &[&scope, &key], &mut sql);
-        Ok(sql)
+        session.call(&LOCK, &[Some(lock_key.as_bytes())])?;
+        session.call(
+            &READ_TEXT,
+            &[
+                Some(request.scope().as_bytes()),
+                Some(request.key().as_bytes()),
+            ],
+        )
     }
 
-    fn read(&self, rows: Vec<Row>) -> QueryResult<Option<Stored>> {
+    /// The rows of the lock, then of the read.
+    fn read(&self, results: Vec<Vec<Row>>) -> QueryResult<Option<Stored>> {
+        let [_lock, rows]: [Vec<Row>; 2] = results
+            .try_into()
+            .map_err(|_| unreadable("not the answers of two statements"))?;
         let mut rows = rows.into_iter();
         let stored = rows.next().map(stored_from_text).transpose()?;
         match rows.next() {
@@ -85,8 +89,8 @@ impl<'a> Completing<'a> {
 impl Last for Completing<'_> {
     type Output = Option<serde_json::Value>;
 
-    fn sql(&self, session: &mut Session<'_>) -> QueryResult<String> {
-        Ok(Complete {
+    fn write(&self, session: &mut Session<'_>) -> QueryResult<()> {
+        Complete {
             identity: self.request.identity(),
             outcome: self.outcome,
             response: self.response,
@@ -94,11 +98,7 @@ impl Last for Completing<'_> {
             takeover: self.takeover,
             returning: self.returning,
         }
-        .call(session))
-    }
-
-    fn returns_rows(&self) -> bool {
-        self.returning
+        .write(session)
     }
 
     /// The response as stored; none when it cannot be read, which only
@@ -113,7 +113,7 @@ fn unreadable(what: &str) -> DieselError {
     DieselError::DeserializationError(format!("idem: the record read with BEGIN: {what}").into())
 }
 
-/// A row of [`Read`]'s text form.
+/// A row of [`READ_TEXT`].
 fn stored_from_text(row: Row) -> QueryResult<Stored> {
     let [operation, fingerprint, state, outcome, response, lease_expired, expired, owner, remaining_ms]: [Option<Vec<u8>>; 9] =
         row.try_into().map_err(|_| unreadable("not nine columns"))?;

@@ -20,7 +20,6 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{BigInt, Binary, Bool, Jsonb, Nullable, Text};
 use diesel::QueryResult;
 
-use crate::sql::{push_bytea, push_literal};
 use crate::tx::{Prepared, Session};
 
 /// What is left of a record's retention, in whole milliseconds (negative
@@ -258,16 +257,15 @@ pub(crate) struct Complete<'a> {
 
 /// [`Complete`]'s statement: an `INSERT` of its row, or a takeover of an
 /// expired record, each with or without `RETURNING` the response (as text,
-/// as a simple query's rows are).
+/// as all of a ride's results are). Each parameter takes its column's type.
 macro_rules! complete_statement {
     ($name:literal, $tail:expr) => {
         Prepared {
             name: $name,
-            types: "text, text, text, text, bytea, idem_request_outcome, jsonb, bigint",
             text: concat!(
                 "INSERT INTO idem_requests AS r (scope, scope_label, key, operation, fingerprint, \
                  mode, state, outcome, response, expires_at) VALUES ($1, $2, $3, $4, $5, 'local', \
-                 'completed', $6, $7, now() + $8 * interval '1 microsecond')",
+                 'completed', $6, $7, now() + $8::int8 * interval '1 microsecond')",
                 $tail
             ),
         }
@@ -298,26 +296,29 @@ const COMPLETE: [Prepared; 4] = [
 ];
 
 impl Complete<'_> {
-    /// A call of the statement, to ride on `COMMIT` (see [`crate::tx`]).
-    pub(crate) fn call(&self, session: &mut Session<'_>) -> String {
+    /// The statement's call, to ride on `COMMIT` (see [`crate::tx`]).
+    pub(crate) fn write(&self, session: &mut Session<'_>) -> QueryResult<()> {
         let response = self.response.to_string();
-        let mut literals: [String; 8] = Default::default();
-        push_literal(&mut literals[0], self.identity.scope);
-        match self.identity.scope_label {
-            Some(label) => push_literal(&mut literals[1], label),
-            None => literals[1].push_str("NULL"),
+        let mut fingerprint = String::with_capacity(2 + 2 * self.identity.fingerprint.len());
+        fingerprint.push_str("\\x");
+        for byte in self.identity.fingerprint {
+            let _ = write!(fingerprint, "{byte:02x}");
         }
-        push_literal(&mut literals[2], self.identity.key);
-        push_literal(&mut literals[3], self.identity.operation);
-        push_bytea(&mut literals[4], self.identity.fingerprint);
-        push_literal(&mut literals[5], self.outcome.as_str());
-        push_literal(&mut literals[6], &response);
-        let _ = write!(literals[7], "{}", self.ttl_micros);
-        let args: Vec<&str> = literals.iter().map(String::as_str).collect();
+        let ttl = self.ttl_micros.to_string();
         let statement = &COMPLETE[usize::from(self.takeover) * 2 + usize::from(self.returning)];
-        let mut out = String::with_capacity(900 + response.len() + self.identity.key.len());
-        session.call(statement, &args, &mut out);
-        out
+        session.call(
+            statement,
+            &[
+                Some(self.identity.scope.as_bytes()),
+                self.identity.scope_label.map(str::as_bytes),
+                Some(self.identity.key.as_bytes()),
+                Some(self.identity.operation.as_bytes()),
+                Some(fingerprint.as_bytes()),
+                Some(self.outcome.as_str().as_bytes()),
+                Some(response.as_bytes()),
+                Some(ttl.as_bytes()),
+            ],
+        )
     }
 }
 
@@ -328,14 +329,12 @@ impl Complete<'_> {
 /// reads the same whatever `bytea_output` says).
 pub(crate) const LOCK: Prepared = Prepared {
     name: "idem_lock_v1",
-    types: "bigint",
-    text: "SELECT pg_advisory_xact_lock($1)",
+    text: "SELECT pg_advisory_xact_lock($1::int8)",
 };
 
 /// See [`LOCK`].
 pub(crate) const READ_TEXT: Prepared = Prepared {
     name: "idem_read_v1",
-    types: "text, text",
     text: concat!(
         "SELECT operation, encode(fingerprint, 'hex'), state::text, outcome::text, \
          response::text, lease_until < now(), expires_at <= now(), encode(owner, 'hex'), ",

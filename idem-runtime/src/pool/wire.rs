@@ -17,6 +17,12 @@
 //! is counted from when it could start, its request's send or the previous
 //! answer, whichever is later.
 //!
+//! One thing the wire writes itself: local mode's statements, which ride on
+//! diesel-async's `BEGIN` and `COMMIT` by replacing their simple query with
+//! the same statements and idem's in the extended protocol, and taking out
+//! of the answer what tokio-postgres would not expect of a simple query
+//! ([`ride`]).
+//!
 //! The observer sits in the connection's stream through tokio-postgres's one
 //! hook for wrapping it, its TLS connector, with the connection asking for
 //! "direct" TLS negotiation ([`Observe`]): no `SSLRequest` is sent, the
@@ -172,20 +178,15 @@ impl Wire {
         self.state().abort
     }
 
-    /// Ride `prefix` (SQL text) in front of the next `Query` message written,
-    /// in the same message, and, when `capture`, keep the rows of the next
-    /// request's last result (see [`ride`]). Armed before the request is
-    /// sent; [`Wire::unride`] ends it.
+    /// Replace the next `Query` message written, whose text must be
+    /// `query`, with `unit` (extended-protocol messages ended by a `Sync`),
+    /// and keep the rows of each of its statements (see [`ride`]). Armed
+    /// before the request is sent; [`Wire::unride`] ends it.
     ///
-    /// `preparing`: the statements whose `PREPARE` the request carries, in
-    /// order; each counts as prepared once the server answers its `PREPARE`.
-    pub(crate) fn ride(
-        &self,
-        prefix: Option<Vec<u8>>,
-        capture: bool,
-        preparing: Vec<&'static str>,
-    ) {
-        self.state().ride.arm(prefix, capture, preparing);
+    /// `parses`: one per `Parse` in `unit`, in order: the statement it
+    /// prepares under its name, counted prepared once the server answers it.
+    pub(crate) fn ride(&self, query: Vec<u8>, unit: Vec<u8>, parses: Vec<Option<&'static str>>) {
+        self.state().ride.arm(query, unit, parses);
         self.riding.store(true, Ordering::Release);
     }
 
@@ -202,8 +203,9 @@ impl Wire {
         (state.prepared.contains(&name), state.generation)
     }
 
-    /// Stop riding; the captured rows, once their request was answered.
-    pub(crate) fn unride(&self) -> Option<Result<Vec<Row>, MalformedRow>> {
+    /// Stop riding; the rows of each statement of the unit, once it was
+    /// answered.
+    pub(crate) fn unride(&self) -> Option<Result<Vec<Vec<Row>>, MalformedRow>> {
         let rows = self.state().ride.disarm();
         self.riding.store(false, Ordering::Release);
         rows
@@ -215,9 +217,8 @@ impl Wire {
         self.on_complete(b"DEALLOCATE ALL");
     }
 
-    /// The session's client encoding, when it is not UTF8: SQL text written
-    /// as UTF-8 is then read in another encoding, where a literal's quoting
-    /// does not hold.
+    /// The session's client encoding, when it is not UTF8: values written
+    /// as UTF-8 are then read in another encoding.
     pub(crate) fn foreign_encoding(&self) -> Option<String> {
         self.state().foreign_encoding.clone()
     }
@@ -283,18 +284,17 @@ impl Wire {
         }
     }
 
-    /// `requests` were written; the first simple query among them was the
-    /// `first_query`-th.
+    /// `requests` were written; `rewritten`: they are a ride's unit.
     ///
     /// `at`: when their write began. Taken before the write, never after:
     /// a thread preempted between the write and the clock would date the
     /// requests late, and a lock timeout that ran its full bound would look
     /// shorter than the loop's own (see [`crate::cause::from_sqlstate`]).
-    fn on_sent(&self, requests: usize, first_query: Option<usize>, at: Instant) {
+    fn on_sent(&self, requests: usize, rewritten: bool, at: Instant) {
         let mut state = self.state();
-        if let Some(n) = first_query {
-            let ahead = state.sent.len() + n;
-            state.ride.on_query(ahead);
+        if rewritten {
+            let ahead = state.sent.len();
+            state.ride.on_written(ahead);
         }
         state.sent.extend(std::iter::repeat_n(at, requests));
     }
@@ -351,11 +351,8 @@ impl Wire {
 
     fn on_complete(&self, tag: &[u8]) {
         let mut state = self.state();
-        if tag == b"PREPARE" {
-            if let Some(name) = state.ride.on_prepared() {
-                state.prepared.push(name);
-            }
-        } else if tag.starts_with(b"DEALLOCATE") || tag == b"DISCARD ALL" {
+        state.ride.on_complete();
+        if tag.starts_with(b"DEALLOCATE") || tag == b"DISCARD ALL" {
             // Someone else's: any of idem's statements may be gone (the tag
             // does not say which), so all are prepared again, under new
             // names, since some may still be there.
@@ -369,10 +366,32 @@ impl Wire {
         }
     }
 
-    fn on_description(&self) {
+    /// A `ParseComplete`: one of idem's statements may now be prepared.
+    fn on_parsed(&self) {
         if self.riding() {
-            self.state().ride.on_description();
+            let mut state = self.state();
+            if let Some(name) = state.ride.on_parsed() {
+                state.prepared.push(name);
+            }
         }
+    }
+
+    /// Whether a message of type `kind`, about to be read, is taken out of
+    /// what tokio-postgres reads: an answer only the extended protocol
+    /// gives, to a unit that replaced a simple query.
+    fn strips(&self, kind: u8) -> bool {
+        matches!(kind, b'1' | b'2') && self.riding() && self.state().ride.answering()
+    }
+
+    /// A `Query` whose text is `text` is about to be written: the unit that
+    /// replaces it, if one waits (see [`Wire::ride`]).
+    fn take_unit(&self, text: &[u8]) -> Option<Result<Vec<u8>, ride::Mismatch>> {
+        self.state().ride.take_unit(text)
+    }
+
+    /// Whether a unit waits for its `Query`.
+    fn unit_waits(&self) -> bool {
+        self.state().ride.waits()
     }
 
     fn on_row(&self, body: &[u8]) {

@@ -145,7 +145,7 @@ impl Attempt {
         match self.tx.as_mut() {
             Some(tx) => Ok(tx.run(first).await),
             None => {
-                let render = |session: &mut Session<'_>| first.sql(session);
+                let render = |session: &mut Session<'_>| first.write(session);
                 self.begin_deferred(Some(&render)).await?;
                 let tx = self.tx.as_mut().expect("just begun");
                 Ok(tx

@@ -87,7 +87,7 @@ pub(crate) struct Tx {
     /// [`pipeline`]). It is rolled back with a `ROLLBACK` of idem's own.
     unmanaged: bool,
     /// The rows of the statements sent with `BEGIN`, until taken.
-    opened: Option<QueryResult<Vec<Row>>>,
+    opened: Option<QueryResult<Vec<Vec<Row>>>>,
 }
 
 /// How a `COMMIT` ended, when it did not commit for certain.
@@ -163,7 +163,7 @@ impl Timeouts {
 
 impl Tx {
     /// `BEGIN` with `isolation` on a connection fresh from the pool, its
-    /// statements bounded by `timeouts`, and `opening` (simple-query text)
+    /// statements bounded by `timeouts`, and the statements `opening` writes
     /// sent with it: its rows are kept for [`Tx::opened`]. When `BEGIN` ran
     /// and `opening` failed, the transaction is returned, failed, with the
     /// error as what it opened with.
@@ -192,14 +192,12 @@ impl Tx {
         }
         let wire = tx.wire_arc();
         let before = wire.marks();
-        let mut riding = false;
+        let mut riding = None;
         if let Some(render) = opening {
-            match pipeline::ride_text(&wire, render) {
-                Ok((statements, preparing)) => {
-                    sql.push_str("; ");
-                    sql.push_str(&statements);
-                    wire.ride(None, true, preparing);
-                    riding = true;
+            match pipeline::ride_unit(&wire, &sql, render, None) {
+                Ok(unit) => {
+                    wire.ride(sql.clone().into_bytes(), unit.messages, unit.parses);
+                    riding = Some(unit.first);
                 }
                 // Nothing to send with BEGIN: the transaction opens without
                 // them, and answers their failure.
@@ -207,12 +205,12 @@ impl Tx {
             }
         }
         let begun = AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await;
-        let rows = riding.then(|| wire.unride());
+        let rows = riding.map(|first| (wire.unride(), first));
         tx.begun = wire.marks();
         match begun {
             Ok(()) => {
-                if let Some(rows) = rows {
-                    tx.opened = Some(pipeline::captured(rows));
+                if let Some((rows, first)) = rows {
+                    tx.opened = Some(pipeline::captured(rows, first));
                 }
                 Ok(tx)
             }
@@ -248,7 +246,7 @@ impl Tx {
     }
 
     /// What the statements sent with `BEGIN` answered, taken.
-    pub(crate) fn opened(&mut self) -> Option<QueryResult<Vec<Row>>> {
+    pub(crate) fn opened(&mut self) -> Option<QueryResult<Vec<Vec<Row>>>> {
         self.opened.take()
     }
 

@@ -3,11 +3,11 @@
 //!
 //! diesel-async's transaction manager must learn of both `BEGIN` and
 //! `COMMIT` (so that a `conn.transaction(..)` in a body becomes a
-//! savepoint), and its supported hooks send each as one simple query. What
-//! rides on them is written into that same query (see `crate::pool`'s wire,
-//! which also keeps the rows tokio-postgres reads past): so it is SQL text,
-//! with its values written in as literals ([`crate::sql`]), calling
-//! statements prepared once per session ([`super::prepared`]).
+//! savepoint), and its supported hooks send each as one simple query. The
+//! connection's wire replaces that query, as it goes out, with the same
+//! statements and idem's among them, in the extended protocol's messages
+//! ([`super::prepared`]; see `crate::pool`'s wire, which also keeps the
+//! rows tokio-postgres reads past). Values go as parameters.
 //!
 //! # Failure
 //!
@@ -28,32 +28,31 @@ use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use super::{CommitFailure, Session, Tx};
 use crate::pool::{MalformedRow, Row, Wire};
 
-/// Statements to send with `BEGIN`, whose last one's rows are read.
+/// Statements to send with `BEGIN`.
 pub(crate) trait Opening {
     type Output;
-    /// The statements as simple-query text (literals, no parameters), their
-    /// prepared statements called through `session`.
-    fn sql(&self, session: &mut Session<'_>) -> QueryResult<String>;
-    /// The answer, from the rows of the last statement.
-    fn read(&self, rows: Vec<Row>) -> QueryResult<Self::Output>;
+    /// Write the statements through `session`.
+    fn write(&self, session: &mut Session<'_>) -> QueryResult<()>;
+    /// The answer, from the rows of each statement, in order.
+    fn read(&self, results: Vec<Vec<Row>>) -> QueryResult<Self::Output>;
 }
 
 /// A statement to send with `COMMIT`. It must write or fail, never do
 /// nothing: its row count is not read.
 pub(crate) trait Last {
     type Output;
-    /// The statement as simple-query text (literals, no parameters), its
-    /// prepared statement called through `session`.
-    fn sql(&self, session: &mut Session<'_>) -> QueryResult<String>;
-    /// Whether it returns rows to read.
-    fn returns_rows(&self) -> bool;
+    /// Write the statement through `session`.
+    fn write(&self, session: &mut Session<'_>) -> QueryResult<()>;
     /// The answer once committed, from its rows (`None`: none were read).
     fn read(&self, rows: Option<Vec<Row>>) -> Self::Output;
 }
 
-/// [`Opening::sql`] of the statements to send with a transaction's `BEGIN`,
-/// called once its connection is known.
-pub(crate) type Render<'a> = &'a (dyn Fn(&mut Session<'_>) -> QueryResult<String> + Sync);
+/// [`Opening::write`] of the statements to send with a transaction's
+/// `BEGIN`, called once its connection is known.
+pub(crate) type Render<'a> = &'a (dyn Fn(&mut Session<'_>) -> QueryResult<()> + Sync);
+
+/// The text of the simple query [`Tx::run`] sends for the wire to replace.
+const PLACEHOLDER: &str = "SELECT 'idem: replaced by the statements that ride here'";
 
 /// How a transaction whose last statement went out with its `COMMIT`
 /// ended, when it did not commit.
@@ -67,25 +66,46 @@ pub(crate) enum Closing {
     Commit(CommitFailure),
 }
 
-/// The text `write` renders for one ride on `wire`'s session, and the
-/// statements it prepares there; refused before anything is sent when the
-/// session would not read its literals as written ([`literals_hold`]) or a
-/// simple query cannot carry it ([`simple_query`]).
-pub(super) fn ride_text(
-    wire: &Wire,
-    write: impl FnOnce(&mut Session<'_>) -> QueryResult<String>,
-) -> QueryResult<(String, Vec<&'static str>)> {
-    literals_hold(wire)?;
-    let mut session = Session::new(wire);
-    let sql = simple_query(write(&mut session)?)?;
-    Ok((sql, session.preparing()))
+/// A ride's messages: `before` (idem's own `; `-separated statements, as
+/// the simple query being replaced holds them), what `write` writes, then
+/// `after`, ended by a `Sync`. Refused before anything is sent when the
+/// session would not read its values as written ([`values_hold`]).
+pub(super) struct Unit {
+    pub(super) messages: Vec<u8>,
+    pub(super) parses: Vec<Option<&'static str>>,
+    /// The index of the first statement `write` wrote.
+    pub(super) first: usize,
 }
 
-/// Whether literals written as UTF-8 read as written on this session: not
+pub(super) fn ride_unit(
+    wire: &Wire,
+    before: &str,
+    write: impl FnOnce(&mut Session<'_>) -> QueryResult<()>,
+    after: Option<&str>,
+) -> QueryResult<Unit> {
+    values_hold(wire)?;
+    let mut session = Session::new(wire);
+    for statement in before.split("; ").filter(|s| !s.is_empty()) {
+        session.plain(statement);
+    }
+    let first = session.statements();
+    write(&mut session)?;
+    if let Some(sql) = after {
+        session.plain(sql);
+    }
+    let (messages, parses) = session.finish();
+    Ok(Unit {
+        messages,
+        parses,
+        first,
+    })
+}
+
+/// Whether values written as UTF-8 read as written on this session: not
 /// when its client encoding was changed (a body's `SET client_encoding`),
-/// where a multibyte character can swallow a quote's escape. Then nothing
-/// rides: the call fails, and writes nothing.
-fn literals_hold(wire: &Wire) -> QueryResult<()> {
+/// where the key read before the body and the one recorded after it would
+/// differ. Then nothing rides: the call fails, and writes nothing.
+fn values_hold(wire: &Wire) -> QueryResult<()> {
     match wire.foreign_encoding() {
         None => Ok(()),
         Some(encoding) => Err(DieselError::QueryBuilderError(
@@ -98,21 +118,13 @@ fn literals_hold(wire: &Wire) -> QueryResult<()> {
     }
 }
 
-/// `sql`, refused when a simple query cannot carry it: its text ends at
-/// the first NUL (no value idem writes in has one; this keeps it so).
-fn simple_query(sql: String) -> QueryResult<String> {
-    if sql.contains('\0') {
-        return Err(DieselError::SerializationError(
-            "idem: a statement sent with BEGIN or COMMIT contains a NUL character".into(),
-        ));
-    }
-    Ok(sql)
-}
-
-/// The rows a capture kept, as a query's result.
-pub(super) fn captured(rows: Option<Result<Vec<Row>, MalformedRow>>) -> QueryResult<Vec<Row>> {
+/// The rows a capture kept, statement by statement, from the `first`.
+pub(super) fn captured(
+    rows: Option<Result<Vec<Vec<Row>>, MalformedRow>>,
+    first: usize,
+) -> QueryResult<Vec<Vec<Row>>> {
     match rows {
-        Some(Ok(rows)) => Ok(rows),
+        Some(Ok(mut rows)) => Ok(rows.split_off(first.min(rows.len()))),
         Some(Err(MalformedRow)) => Err(DieselError::DeserializationError(
             "idem: a row sent with BEGIN could not be read".into(),
         )),
@@ -135,11 +147,14 @@ impl Tx {
         }
         // Nothing was sent yet: the transaction is still sound.
         let wire = self.wire_arc();
-        let (sql, preparing) =
-            ride_text(&wire, |session| last.sql(session)).map_err(Closing::Failed)?;
-        wire.ride(Some(sql.into_bytes()), last.returns_rows(), preparing);
+        let unit = ride_unit(&wire, "", |session| last.write(session), Some("COMMIT"))
+            .map_err(Closing::Failed)?;
+        wire.ride(b"COMMIT".to_vec(), unit.messages, unit.parses);
         let committed = self.send_commit(timeout).await;
-        let rows = wire.unride().and_then(Result::ok);
+        let rows = wire
+            .unride()
+            .and_then(Result::ok)
+            .and_then(|results| results.into_iter().next());
         match committed {
             Ok(()) => Ok(last.read(rows)),
             // The server says the transaction failed and is still open: the
@@ -157,15 +172,15 @@ impl Tx {
         }
     }
 
-    /// Run `first` on the open transaction, as one simple query of its own.
+    /// Run `first` on the open transaction, as one request of its own.
     pub(crate) async fn run<O: Opening>(&mut self, first: &O) -> QueryResult<O::Output> {
         let wire = self.wire_arc();
-        let (sql, preparing) = ride_text(&wire, |session| first.sql(session))?;
-        wire.ride(None, true, preparing);
+        let unit = ride_unit(&wire, "", |session| first.write(session), None)?;
+        wire.ride(PLACEHOLDER.as_bytes().to_vec(), unit.messages, unit.parses);
         let mut shared: &AsyncPgConnection = self.conn();
-        let ran = shared.batch_execute(&sql).await;
+        let ran = shared.batch_execute(PLACEHOLDER).await;
         let rows = wire.unride();
         ran?;
-        first.read(captured(rows)?)
+        first.read(captured(rows, 0)?)
     }
 }

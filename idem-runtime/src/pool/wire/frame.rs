@@ -20,6 +20,8 @@ pub(super) struct Framer {
     body: Vec<u8>,
     /// How much of the current message's body is kept.
     limit: usize,
+    /// The current message is taken out of the stream.
+    dropping: bool,
 }
 
 impl Framer {
@@ -32,6 +34,7 @@ impl Framer {
             kind: 0,
             body: Vec::new(),
             limit: 0,
+            dropping: false,
         }
     }
 
@@ -39,13 +42,35 @@ impl Framer {
     /// its type, and `done` gets each whole message's type and kept body.
     pub(super) fn feed(
         &mut self,
+        bytes: &[u8],
+        keep: impl Fn(u8) -> usize,
+        done: impl FnMut(u8, &[u8]),
+    ) {
+        self.feed_stripping(bytes, keep, done, |_| false, &mut Vec::new());
+    }
+
+    /// [`Framer::feed`], and the messages whose type `strip` names (asked
+    /// as each begins, once every message before it was `done`) are
+    /// marked in `dropped`: the ranges of `bytes` they take, in order.
+    pub(super) fn feed_stripping(
+        &mut self,
         mut bytes: &[u8],
         keep: impl Fn(u8) -> usize,
         mut done: impl FnMut(u8, &[u8]),
+        strip: impl Fn(u8) -> bool,
+        dropped: &mut Vec<(usize, usize)>,
     ) {
+        let total = bytes.len();
         while !bytes.is_empty() {
+            let at = total - bytes.len();
             if self.left == 0 && self.have < self.header_len() {
+                if self.have == 0 && !self.untyped {
+                    self.dropping = strip(bytes[0]);
+                }
                 let n = (self.header_len() - self.have).min(bytes.len());
+                if self.dropping {
+                    mark(dropped, at, n);
+                }
                 self.header[self.have..self.have + n].copy_from_slice(&bytes[..n]);
                 self.have += n;
                 bytes = &bytes[n..];
@@ -68,6 +93,9 @@ impl Framer {
                 continue;
             }
             let n = self.left.min(bytes.len());
+            if self.dropping {
+                mark(dropped, at, n);
+            }
             if self.body.len() < self.limit {
                 let room = (self.limit - self.body.len()).min(n);
                 self.body.extend_from_slice(&bytes[..room]);
@@ -118,6 +146,14 @@ impl Framer {
         }
         self.untyped = false;
         self.have = 0;
+    }
+}
+
+/// `n` bytes from `at` are dropped: joined to the last range when they follow it.
+fn mark(dropped: &mut Vec<(usize, usize)>, at: usize, n: usize) {
+    match dropped.last_mut() {
+        Some(last) if last.1 == at => last.1 += n,
+        _ => dropped.push((at, at + n)),
     }
 }
 

@@ -4,20 +4,24 @@
 //!
 //! diesel-async must send both itself, through its transaction manager's
 //! supported hooks, so that it counts the transaction (a `conn.transaction(..)`
-//! in a body then becomes a savepoint). Each is one simple query:
+//! in a body then becomes a savepoint). Each is one simple query, whose text
+//! idem knows (it gives `BEGIN`'s, and `COMMIT`'s is fixed). The wire
+//! replaces that `Query` message, as it goes out, with the same statements
+//! in the extended protocol's messages and idem's own among them (see
+//! `crate::tx`'s prepared statements): `BEGIN`'s first, then idem's; idem's,
+//! then `COMMIT`. One `Sync` ends them, so the server answers them as one
+//! request, and stops at the first that fails: a failed statement of idem's
+//! leaves the transaction failed, and `COMMIT` never runs.
 //!
-//! - `BEGIN` takes its SQL from the caller (`begin_transaction_sql`), so what
-//!   rides on it is written into that text. tokio-postgres reads past the
-//!   rows a simple query returns; the wire keeps those of the request it was
-//!   told to capture ([`Ride::arm`]), for the caller to read once `BEGIN` is
-//!   answered.
-//! - `COMMIT` is a fixed text. The wire writes the riding statements in front
-//!   of it, in the same `Query` message, when that message goes out: the
-//!   server runs them, then `COMMIT`, in one transaction and one round trip.
-//!   If one fails, the transaction fails there, and `COMMIT` is never run.
-//!   A prefix that meets anything but a `Query` at a message boundary fails
-//!   the write instead: the connection breaks before `COMMIT` is sent, so the
-//!   transaction cannot commit without what was to ride on it.
+//! tokio-postgres, which wrote a simple query, reads the answer as one: the
+//! wire takes out what only the extended protocol answers (`ParseComplete`,
+//! `BindComplete`), and keeps each statement's rows, which tokio-postgres
+//! reads past, for idem to read once the request is answered. A `Query`
+//! whose text is not the one expected, or that a write does not hold whole,
+//! fails the write instead: the connection breaks before it is sent, so a
+//! transaction cannot commit without what was to ride on its `COMMIT`.
+
+use std::collections::VecDeque;
 
 /// One row of a captured result, each column in PostgreSQL's text form
 /// (`None`: NULL).
@@ -26,98 +30,109 @@ pub(crate) type Row = Vec<Option<Vec<u8>>>;
 /// What rides on a connection's next request.
 #[derive(Debug, Default)]
 pub(super) struct Ride {
-    /// Written in front of the next `Query` message's text.
-    prefix: Option<Vec<u8>>,
-    capture: Capture,
-    /// The rows of the captured request's last result so far.
+    /// The text of the `Query` to replace, and what replaces it (until it
+    /// is written).
+    query: Vec<u8>,
+    unit: Option<Vec<u8>>,
+    place: Place,
+    /// The rows of each statement answered so far, in order.
+    results: Vec<Vec<Row>>,
+    /// The rows of the statement being answered.
     rows: Vec<Row>,
-    /// The captured request was answered.
+    /// The replacing request was answered.
     done: bool,
     /// A captured row could not be read.
     malformed: bool,
-    /// The statements whose `PREPARE` rides, in order, not yet answered.
-    preparing: std::collections::VecDeque<&'static str>,
+    /// One per `Parse` in the unit, not yet answered: the statement it
+    /// prepares under its name (none for an unnamed one).
+    parses: VecDeque<Option<&'static str>>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-enum Capture {
+enum Place {
     #[default]
     Off,
-    /// The next simple query written is the one to capture.
+    /// Armed, not yet written.
     Next,
-    /// It is written; this many requests are answered before it.
+    /// Written; this many requests are answered before it.
     Ahead(usize),
 }
 
+/// The `Query` met was not the one to replace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Mismatch;
+
 impl Ride {
-    /// Ride `prefix` on the next `Query` written, and capture the rows of
-    /// the next request's last result when `capture`.
-    pub(super) fn arm(
-        &mut self,
-        prefix: Option<Vec<u8>>,
-        capture: bool,
-        preparing: Vec<&'static str>,
-    ) {
+    /// Replace the next `Query` (whose text must be `query`) with `unit`,
+    /// whose `Parse` messages prepare `parses`.
+    pub(super) fn arm(&mut self, query: Vec<u8>, unit: Vec<u8>, parses: Vec<Option<&'static str>>) {
         *self = Ride {
-            prefix,
-            capture: if capture { Capture::Next } else { Capture::Off },
-            preparing: preparing.into(),
+            query,
+            unit: Some(unit),
+            place: Place::Next,
+            parses: parses.into(),
             ..Ride::default()
         };
     }
 
-    /// A `PREPARE` was answered: the riding statement it prepared, if it was
-    /// one (they are answered in the order they were written).
-    pub(super) fn on_prepared(&mut self) -> Option<&'static str> {
-        self.preparing.pop_front()
-    }
-
-    /// Stop riding; the captured rows, when the request was answered (an
-    /// error when one of them could not be read).
-    pub(super) fn disarm(&mut self) -> Option<Result<Vec<Row>, MalformedRow>> {
+    /// Stop riding; the rows of each statement, once the request was
+    /// answered (an error when one of them could not be read).
+    pub(super) fn disarm(&mut self) -> Option<Result<Vec<Vec<Row>>, MalformedRow>> {
         let ride = std::mem::take(self);
         match (ride.done, ride.malformed) {
             (false, _) => None,
-            (true, false) => Some(Ok(ride.rows)),
+            (true, false) => Some(Ok(ride.results)),
             (true, true) => Some(Err(MalformedRow)),
         }
     }
 
-    /// Whether a prefix waits for the next `Query`.
-    pub(super) fn has_prefix(&self) -> bool {
-        self.prefix.is_some()
+    /// Whether a unit waits for its `Query`.
+    pub(super) fn waits(&self) -> bool {
+        self.unit.is_some()
     }
 
-    /// The prefix to write in front of the next `Query`, taken.
-    pub(super) fn take_prefix(&mut self) -> Option<Vec<u8>> {
-        self.prefix.take()
+    /// A `Query` whose text is `text` is about to be written: the unit to
+    /// write instead, if one waits.
+    pub(super) fn take_unit(&mut self, text: &[u8]) -> Option<Result<Vec<u8>, Mismatch>> {
+        self.unit.as_ref()?;
+        if text != self.query.as_slice() {
+            self.unit = None;
+            return Some(Err(Mismatch));
+        }
+        self.unit.take().map(Ok)
     }
 
     /// Rows are being captured (or will be): `DataRow` bodies are to be kept.
     pub(super) fn capturing(&self) -> bool {
-        self.capture != Capture::Off
+        self.place != Place::Off
     }
 
-    /// A simple query was written, with `ahead` requests (each ended by a
-    /// `Query` or a `Sync`) to be answered before it. What rides is always
-    /// a simple query (`BEGIN`'s, `COMMIT`'s): a `Sync` written with it (of
-    /// a `Close` of a statement diesel-async dropped, say) is not it.
-    pub(super) fn on_query(&mut self, ahead: usize) {
-        if self.capture == Capture::Next {
-            self.capture = Capture::Ahead(ahead);
+    /// The unit was written, with `ahead` requests (each ended by a `Query`
+    /// or a `Sync`) to be answered before it.
+    pub(super) fn on_written(&mut self, ahead: usize) {
+        if self.place == Place::Next {
+            self.place = Place::Ahead(ahead);
         }
     }
 
-    /// A `RowDescription`: a new result begins; only the last is kept.
-    pub(super) fn on_description(&mut self) {
-        if self.capture == Capture::Ahead(0) {
-            self.rows.clear();
+    /// Whether what the server sends now answers the unit.
+    pub(super) fn answering(&self) -> bool {
+        self.place == Place::Ahead(0)
+    }
+
+    /// A `ParseComplete`: the statement its `Parse` prepared, if it was one
+    /// of the unit's (they are answered in the order they were written).
+    pub(super) fn on_parsed(&mut self) -> Option<&'static str> {
+        if self.answering() {
+            self.parses.pop_front().flatten()
+        } else {
+            None
         }
     }
 
     /// A `DataRow` and its body.
     pub(super) fn on_row(&mut self, body: &[u8]) {
-        if self.capture == Capture::Ahead(0) {
+        if self.answering() {
             match parse_row(body) {
                 Some(row) => self.rows.push(row),
                 None => self.malformed = true,
@@ -125,15 +140,23 @@ impl Ride {
         }
     }
 
+    /// A `CommandComplete`: a statement's rows are all in.
+    pub(super) fn on_complete(&mut self) {
+        if self.answering() {
+            let rows = std::mem::take(&mut self.rows);
+            self.results.push(rows);
+        }
+    }
+
     /// A `ReadyForQuery`: the request in front was answered.
     pub(super) fn on_ready(&mut self) {
-        match self.capture {
-            Capture::Ahead(0) => {
-                self.capture = Capture::Off;
+        match self.place {
+            Place::Ahead(0) => {
+                self.place = Place::Off;
                 self.done = true;
             }
-            Capture::Ahead(n) => self.capture = Capture::Ahead(n - 1),
-            Capture::Off | Capture::Next => {}
+            Place::Ahead(n) => self.place = Place::Ahead(n - 1),
+            Place::Off | Place::Next => {}
         }
     }
 }
@@ -161,17 +184,4 @@ fn parse_row(body: &[u8]) -> Option<Row> {
         rest = &rest[len..];
     }
     rest.is_empty().then_some(row)
-}
-
-/// The `Query` message whose text is `prefix`, then `; `, then the text of
-/// the `Query` whose body (its text and the closing NUL) is `original`.
-pub(super) fn prefixed(prefix: &[u8], original: &[u8]) -> Vec<u8> {
-    let body_len = prefix.len() + 2 + original.len();
-    let mut message = Vec::with_capacity(1 + 4 + body_len);
-    message.push(b'Q');
-    message.extend_from_slice(&((body_len + 4) as u32).to_be_bytes());
-    message.extend_from_slice(prefix);
-    message.extend_from_slice(b"; ");
-    message.extend_from_slice(original);
-    message
 }

@@ -1,6 +1,6 @@
 //! The stream in between: a connection's socket, read and written through,
 //! with what passes reported to its [`Wire`], and local mode's statement
-//! written in front of the `COMMIT` it rides on (see [`ride`]).
+//! written in front of the `COMMIT` it rides on (see [`ride`](super::ride)).
 
 use std::io;
 use std::pin::Pin;
@@ -13,7 +13,7 @@ use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream}
 use tokio_postgres::Socket;
 
 use super::frame::{fatal, sqlstate, Framer, KEPT};
-use super::{ride, Wire};
+use super::Wire;
 
 /// A connection's stream, read and written through, with what it says
 /// reported to its [`Wire`].
@@ -40,46 +40,50 @@ impl<S> Observed<S> {
         }
     }
 
-    pub(super) fn read(&mut self, bytes: &[u8]) {
+    /// Read `bytes` from the server; the ranges of them that tokio-postgres
+    /// is not to see (see [`ride`](super::ride)).
+    pub(super) fn read(&mut self, bytes: &[u8]) -> Vec<(usize, usize)> {
         let wire = &self.wire;
         let keep = |kind| match kind {
             b'Z' | b'E' | b'C' | b'S' => KEPT,
             b'D' if wire.keeps_rows() => usize::MAX,
             _ => 0,
         };
-        self.backend.feed(bytes, keep, |kind, body| match kind {
-            b'Z' => wire.on_ready(body.first().copied().unwrap_or(0)),
-            b'T' => wire.on_description(),
-            b'S' => wire.on_parameter(body),
-            b'D' => wire.on_row(body),
-            b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), fatal(body)),
-            b'C' => wire.on_complete(body.strip_suffix(&[0]).unwrap_or(body)),
-            _ => {}
-        });
+        let mut dropped = Vec::new();
+        self.backend.feed_stripping(
+            bytes,
+            keep,
+            |kind, body| match kind {
+                b'Z' => wire.on_ready(body.first().copied().unwrap_or(0)),
+                b'1' => wire.on_parsed(),
+                b'S' => wire.on_parameter(body),
+                b'D' => wire.on_row(body),
+                b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), fatal(body)),
+                b'C' => wire.on_complete(body.strip_suffix(&[0]).unwrap_or(body)),
+                _ => {}
+            },
+            |kind| wire.strips(kind),
+            &mut dropped,
+        );
+        dropped
     }
 
     #[cfg(test)]
     pub(super) fn written(&mut self, bytes: &[u8]) {
-        self.written_at(bytes, Instant::now());
+        self.written_at(bytes, Instant::now(), false);
     }
 
-    /// `bytes` went out; their write began `at`.
-    fn written_at(&mut self, bytes: &[u8], at: Instant) {
-        let (mut requests, mut first_query) = (0, None);
+    /// `bytes` went out (a ride's unit when `rewritten`); their write began
+    /// `at`.
+    fn written_at(&mut self, bytes: &[u8], at: Instant, rewritten: bool) {
+        let mut requests = 0;
         self.frontend.feed(
             bytes,
             |_| 0,
-            |kind, _| {
-                if matches!(kind, b'Q' | b'S') {
-                    if kind == b'Q' && first_query.is_none() {
-                        first_query = Some(requests);
-                    }
-                    requests += 1;
-                }
-            },
+            |kind, _| requests += usize::from(matches!(kind, b'Q' | b'S')),
         );
         if requests > 0 {
-            self.wire.on_sent(requests, first_query, at);
+            self.wire.on_sent(requests, rewritten, at);
         }
     }
 }
@@ -106,16 +110,16 @@ impl<S: AsyncWrite + Unpin> Observed<S> {
         Poll::Ready(Ok(()))
     }
 
-    /// When a statement is to ride on the next `Query` (see [`ride`]): the
-    /// first `Query` that starts in `buf` is taken, with what precedes it
-    /// (a `Close` of a statement diesel-async dropped, say), and owed with
-    /// the statement written in front of its text. Returns how much of `buf`
-    /// was taken; `None` when `buf` holds no `Query`'s start (it is written
-    /// as it is, and the statement still waits). A `Query` this write does
-    /// not hold whole fails the write (tokio-postgres always writes whole
-    /// messages), so that it cannot go out without what rides on it.
+    /// When a unit waits to replace the next `Query` (see [`ride`](super::ride)): the
+    /// first `Query` that starts in `buf` is taken, with what precedes it (a
+    /// `Close` of a statement diesel-async dropped, say), and the unit owed
+    /// in its place. Returns how much of `buf` was taken; `None` when `buf`
+    /// holds no `Query`'s start (it is written as it is, and the unit still
+    /// waits). A `Query` this write does not hold whole, or whose text is
+    /// not the one expected, fails the write (tokio-postgres always writes
+    /// whole messages), so that it cannot go out without what rides on it.
     fn ride_on(&mut self, buf: &[u8]) -> io::Result<Option<usize>> {
-        if !self.wire.state().ride.has_prefix() {
+        if !self.wire.unit_waits() {
             return Ok(None);
         }
         let Some(mut at) = self.frontend.next_start(buf) else {
@@ -131,37 +135,42 @@ impl<S: AsyncWrite + Unpin> Observed<S> {
                 .filter(|&n| n >= 5 && rest.len() >= n);
             match (rest[0], whole) {
                 (b'Q', Some(n)) => {
-                    let Some(prefix) = self.wire.state().ride.take_prefix() else {
-                        return Ok(None);
+                    let text = rest[5..n].strip_suffix(&[0]).unwrap_or(&rest[5..n]);
+                    return match self.wire.take_unit(text) {
+                        None => Ok(None),
+                        Some(Ok(unit)) => Ok(Some(self.owe(buf, at, unit, at + n))),
+                        Some(Err(_)) => Err(self.refuse("met a query other than the one expected")),
                     };
-                    let mut owed = buf[..at].to_vec();
-                    owed.extend(ride::prefixed(&prefix, &rest[5..n]));
-                    return Ok(Some(self.owe(buf, owed, at + n)));
                 }
                 (_, Some(n)) => at += n,
                 // What precedes a message this write does not hold whole.
-                (_, None) if at > 0 => {
-                    let owed = buf[..at].to_vec();
-                    return Ok(Some(self.owe(buf, owed, at)));
-                }
-                (b'Q', None) => {
-                    self.wire.on_closed();
-                    return Err(io::Error::other(
-                        "idem: a statement to ride on COMMIT met a query not written whole; the connection is closed before anything commits",
-                    ));
-                }
+                (_, None) if at > 0 => return Ok(Some(self.owe(buf, at, Vec::new(), at))),
+                (b'Q', None) => return Err(self.refuse("met a query not written whole")),
                 (_, None) => return Ok(None),
             }
         }
     }
 
-    /// Owe `owed` in place of `buf[..taken]`, which the framer reads.
-    fn owe(&mut self, buf: &[u8], owed: Vec<u8>, taken: usize) -> usize {
+    /// Owe `buf[..at]` and `unit` in place of `buf[..taken]`.
+    fn owe(&mut self, buf: &[u8], at: usize, unit: Vec<u8>, taken: usize) -> usize {
+        // Before the owed bytes are written (see `Wire::on_sent`).
+        let now = Instant::now();
+        self.written_at(&buf[..at], now, false);
+        self.written_at(&unit, now, true);
+        let mut owed = buf[..at].to_vec();
+        owed.extend(unit);
         self.owed = owed;
         self.owed_at = 0;
-        // Before the owed bytes are written (see `Wire::on_sent`).
-        self.written_at(&buf[..taken], Instant::now());
         taken
+    }
+
+    /// The connection is closed before anything more is sent: what was to
+    /// ride could not.
+    fn refuse(&self, what: &str) -> io::Error {
+        self.wire.on_closed();
+        io::Error::other(format!(
+            "idem: statements to ride on BEGIN or COMMIT {what}; the connection is closed before anything commits"
+        ))
     }
 }
 
@@ -172,15 +181,28 @@ impl<S: AsyncRead + Unpin> AsyncRead for Observed<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
-        match &polled {
-            Poll::Ready(Ok(())) if buf.filled().len() == before => this.wire.on_closed(),
-            Poll::Ready(Ok(())) => this.read(&buf.filled()[before..]),
-            Poll::Ready(Err(_)) => this.wire.on_closed(),
-            Poll::Pending => {}
+        loop {
+            let before = buf.filled().len();
+            let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+            match &polled {
+                Poll::Ready(Ok(())) if buf.filled().len() == before => this.wire.on_closed(),
+                Poll::Ready(Ok(())) => {
+                    let dropped = this.read(&buf.filled()[before..]);
+                    if !dropped.is_empty() {
+                        let kept = compact(&mut buf.filled_mut()[before..], &dropped);
+                        buf.set_filled(before + kept);
+                        // All of it taken out: read on, since no new bytes
+                        // would read as the stream's end.
+                        if kept == 0 {
+                            continue;
+                        }
+                    }
+                }
+                Poll::Ready(Err(_)) => this.wire.on_closed(),
+                Poll::Pending => {}
+            }
+            return polled;
         }
-        polled
     }
 }
 
@@ -206,7 +228,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
         let at = Instant::now();
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
         match &polled {
-            Poll::Ready(Ok(n)) => this.written_at(&buf[..*n], at),
+            Poll::Ready(Ok(n)) => this.written_at(&buf[..*n], at, false),
             Poll::Ready(Err(_)) => this.wire.on_closed(),
             Poll::Pending => {}
         }
@@ -224,6 +246,22 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
         ready!(this.poll_owed(cx))?;
         Pin::new(&mut this.inner).poll_shutdown(cx)
     }
+}
+
+/// `bytes` without the `dropped` ranges (in order), moved to its front;
+/// how many are kept.
+pub(super) fn compact(bytes: &mut [u8], dropped: &[(usize, usize)]) -> usize {
+    let mut kept = 0;
+    let mut from = 0;
+    for &(start, end) in dropped
+        .iter()
+        .chain(std::iter::once(&(bytes.len(), bytes.len())))
+    {
+        bytes.copy_within(from..start, kept);
+        kept += start - from;
+        from = end;
+    }
+    kept
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> TlsStream for Observed<S> {

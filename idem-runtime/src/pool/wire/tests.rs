@@ -153,58 +153,27 @@ fn started() -> Observed<Vec<u8>> {
     o
 }
 
-#[test]
-fn the_rows_of_the_captured_request_are_kept_and_no_others() {
-    let mut o = started();
-    // A request still owed its answer when the capture is armed.
-    o.written(&message(b'Q', b"SELECT 'earlier'\0"));
-    o.wire.ride(None, true, Vec::new());
-    o.written(&message(b'Q', b"BEGIN; SELECT 1; SELECT 2\0"));
-    let mut answers = message(b'T', b"\0\x01");
-    answers.extend(data_row(&[Some(b"earlier")]));
-    answers.extend(message(b'Z', b"I"));
-    answers.extend(message(b'C', b"BEGIN\0"));
-    answers.extend(message(b'T', b"\0\x01"));
-    answers.extend(data_row(&[Some(b"first result")]));
-    // Only the last result is kept: its rows, NULLs and empty values included.
-    answers.extend(message(b'T', b"\0\x02"));
-    answers.extend(data_row(&[Some(b"a"), None]));
-    answers.extend(data_row(&[Some(b""), Some(&[7; 5000])]));
-    answers.extend(message(b'C', b"SELECT 2\0"));
-    answers.extend(message(b'Z', b"T"));
-    // Byte by byte, as a socket may deliver it.
+/// What tokio-postgres reads of `answers`, delivered one byte at a time.
+fn seen(o: &mut Observed<Vec<u8>>, answers: &[u8]) -> Vec<u8> {
+    let mut seen = Vec::new();
     for byte in answers.chunks(1) {
-        o.read(byte);
+        let mut chunk = byte.to_vec();
+        let dropped = o.read(&chunk);
+        let kept = stream::compact(&mut chunk, &dropped);
+        seen.extend_from_slice(&chunk[..kept]);
     }
-    let rows = o.wire.unride().expect("answered").expect("readable");
-    assert_eq!(
-        rows,
-        vec![
-            vec![Some(b"a".to_vec()), None],
-            vec![Some(Vec::new()), Some(vec![7; 5000])],
-        ]
-    );
-    // Disarmed: later rows are not kept.
-    o.read(&data_row(&[Some(b"later")]));
-    assert_eq!(o.wire.unride(), None);
+    seen
 }
 
-#[test]
-fn an_unanswered_capture_yields_nothing_and_a_malformed_row_an_error() {
-    let mut o = started();
-    o.wire.ride(None, true, Vec::new());
-    o.written(&message(b'Q', b"SELECT 1\0"));
-    o.read(&message(b'T', b"\0\x01"));
-    o.read(&data_row(&[Some(b"1")]));
-    assert_eq!(o.wire.unride(), None, "no ReadyForQuery yet");
-    o.read(&message(b'Z', b"T"));
-    o.wire.ride(None, true, Vec::new());
-    o.written(&message(b'Q', b"SELECT 1\0"));
-    o.read(&message(b'T', b"\0\x01"));
-    // A column longer than the row.
-    o.read(&message(b'D', b"\0\x01\0\0\0\x09ab"));
-    o.read(&message(b'Z', b"T"));
-    assert_eq!(o.wire.unride(), Some(Err(MalformedRow)));
+/// A unit of two statements, the first parsed under a name.
+fn unit() -> Vec<u8> {
+    let mut unit = message(b'P', b"idem_a_v1\0SELECT $1\0\0\0");
+    for _ in 0..2 {
+        unit.extend(message(b'B', b"\0idem_a_v1\0\0\0\0\0\0\0"));
+        unit.extend(message(b'E', b"\0\0\0\0\0"));
+    }
+    unit.extend(message(b'S', b""));
+    unit
 }
 
 fn block_on_write(o: &mut Observed<Vec<u8>>, bytes: &[u8]) -> io::Result<usize> {
@@ -217,14 +186,11 @@ fn block_on_write(o: &mut Observed<Vec<u8>>, bytes: &[u8]) -> io::Result<usize> 
 }
 
 #[test]
-fn a_prefix_rides_in_the_next_query_behind_what_precedes_it() {
+fn the_unit_replaces_the_query_behind_what_precedes_it() {
     let mut o = started();
     o.inner.clear();
-    o.wire.ride(
-        Some(b"INSERT INTO t VALUES (1)".to_vec()),
-        false,
-        Vec::new(),
-    );
+    o.wire
+        .ride(b"COMMIT".to_vec(), unit(), vec![Some("idem_a_v1")]);
     // A Close and a Sync of a dropped statement, then COMMIT, in one write.
     let mut out = message(b'C', b"Ss7\0");
     out.extend(message(b'S', b""));
@@ -232,26 +198,24 @@ fn a_prefix_rides_in_the_next_query_behind_what_precedes_it() {
     assert_eq!(block_on_write(&mut o, &out).unwrap(), out.len());
     let mut expected = message(b'C', b"Ss7\0");
     expected.extend(message(b'S', b""));
-    expected.extend(message(b'Q', b"INSERT INTO t VALUES (1); COMMIT\0"));
+    expected.extend(unit());
     assert_eq!(o.inner, expected);
-    // Two requests counted (the Sync and the Query), as written.
+    // Two requests counted (the Sync and the unit's), as written.
     assert_eq!(o.wire.state().sent.len(), 2);
     // Taken once: the next query goes out as it is.
     o.inner.clear();
-    let next = message(b'Q', b"SELECT 1\0");
+    let next = message(b'Q', b"COMMIT\0");
     block_on_write(&mut o, &next).unwrap();
     assert_eq!(o.inner, next);
-    assert_eq!(o.wire.unride(), None);
 }
 
 #[test]
-fn a_prefix_waits_past_a_message_split_across_writes() {
+fn the_unit_waits_past_a_message_split_across_writes() {
     let mut o = started();
     o.inner.clear();
-    o.wire
-        .ride(Some(b"SELECT 'riding'".to_vec()), false, Vec::new());
+    o.wire.ride(b"COMMIT".to_vec(), unit(), Vec::new());
     let parse = message(b'P', b"\0SELECT 1\0\0\0");
-    // Half a Parse: written as it is, the prefix still waits.
+    // Half a Parse: written as it is, the unit still waits.
     block_on_write(&mut o, &parse[..4]).unwrap();
     let mut rest = parse[4..].to_vec();
     rest.extend(message(b'S', b""));
@@ -262,51 +226,130 @@ fn a_prefix_waits_past_a_message_split_across_writes() {
     }
     let mut expected = parse.clone();
     expected.extend(message(b'S', b""));
-    expected.extend(message(b'Q', b"SELECT 'riding'; COMMIT\0"));
+    expected.extend(unit());
     assert_eq!(o.inner, expected);
 }
 
 #[test]
-fn a_prefix_never_lets_a_query_out_without_it() {
-    let mut o = started();
-    o.wire.ride(
-        Some(b"INSERT INTO t VALUES (1)".to_vec()),
-        false,
-        Vec::new(),
-    );
+fn no_query_goes_out_without_its_unit() {
     // The start of a Query whose rest is not in this write.
+    let mut o = started();
+    o.wire.ride(b"COMMIT".to_vec(), unit(), Vec::new());
     let commit = message(b'Q', b"COMMIT\0");
     let err = block_on_write(&mut o, &commit[..7]).expect_err("refused");
     assert!(err.to_string().contains("before anything commits"), "{err}");
     assert!(o.wire.closed());
+    // A Query other than the one the unit replaces.
+    let mut o = started();
+    o.inner.clear();
+    o.wire.ride(b"COMMIT".to_vec(), unit(), Vec::new());
+    let other = message(b'Q', b"RELEASE SAVEPOINT diesel_savepoint_1\0");
+    let err = block_on_write(&mut o, &other).expect_err("refused");
+    assert!(
+        err.to_string().contains("other than the one expected"),
+        "{err}"
+    );
+    assert!(o.wire.closed());
+    assert!(o.inner.is_empty(), "nothing written");
 }
 
 #[test]
-fn a_statement_counts_as_prepared_once_its_prepare_is_answered() {
+fn the_units_answer_reads_as_a_simple_querys_with_its_rows_kept() {
+    let mut o = started();
+    // A request of diesel's own still owed its answer (extended: its
+    // ParseComplete and BindComplete are tokio-postgres's).
+    o.written(&message(b'S', b""));
+    o.wire
+        .ride(b"BEGIN; SELECT 1".to_vec(), unit(), vec![Some("idem_a_v1")]);
+    block_on_write(&mut o, &message(b'Q', b"BEGIN; SELECT 1\0")).unwrap();
+    let mut theirs = message(b'1', b"");
+    theirs.extend(message(b'2', b""));
+    theirs.extend(data_row(&[Some(b"earlier")]));
+    theirs.extend(message(b'C', b"SELECT 1\0"));
+    theirs.extend(message(b'Z', b"I"));
+    let mut ours = message(b'1', b"");
+    ours.extend(message(b'2', b""));
+    ours.extend(data_row(&[Some(b"a"), None]));
+    ours.extend(data_row(&[Some(b""), Some(&[7; 5000])]));
+    ours.extend(message(b'C', b"SELECT 2\0"));
+    ours.extend(message(b'N', b"SNOTICE\0Mhi\0\0"));
+    ours.extend(message(b'2', b""));
+    ours.extend(message(b'C', b"SELECT 0\0"));
+    ours.extend(message(b'Z', b"T"));
+    let mut answers = theirs.clone();
+    answers.extend(&ours);
+    // The unit's ParseComplete and BindComplete are taken out; all else
+    // passes, one byte at a time as a socket may deliver it.
+    let mut expected = theirs;
+    expected.extend(data_row(&[Some(b"a"), None]));
+    expected.extend(data_row(&[Some(b""), Some(&[7; 5000])]));
+    expected.extend(message(b'C', b"SELECT 2\0"));
+    expected.extend(message(b'N', b"SNOTICE\0Mhi\0\0"));
+    expected.extend(message(b'C', b"SELECT 0\0"));
+    expected.extend(message(b'Z', b"T"));
+    assert_eq!(seen(&mut o, &answers), expected);
+    assert_eq!(o.wire.prepared("idem_a_v1"), (true, 0));
+    assert_eq!(
+        o.wire.unride().expect("answered").expect("readable"),
+        vec![
+            vec![
+                vec![Some(b"a".to_vec()), None],
+                vec![Some(Vec::new()), Some(vec![7; 5000])],
+            ],
+            vec![],
+        ]
+    );
+    // Disarmed: later answers pass whole, and no row is kept.
+    let later = [message(b'1', b""), data_row(&[Some(b"later")])].concat();
+    assert_eq!(seen(&mut o, &later), later);
+    assert_eq!(o.wire.unride(), None);
+}
+
+#[test]
+fn an_unanswered_unit_yields_nothing_and_a_malformed_row_an_error() {
+    let mut o = started();
+    o.wire.ride(b"SELECT 1".to_vec(), unit(), Vec::new());
+    block_on_write(&mut o, &message(b'Q', b"SELECT 1\0")).unwrap();
+    o.read(&message(b'2', b""));
+    o.read(&data_row(&[Some(b"1")]));
+    assert_eq!(o.wire.unride(), None, "no ReadyForQuery yet");
+    o.read(&message(b'Z', b"T"));
+    o.wire.ride(b"SELECT 1".to_vec(), unit(), Vec::new());
+    block_on_write(&mut o, &message(b'Q', b"SELECT 1\0")).unwrap();
+    // A column longer than the row.
+    o.read(&message(b'D', b"\0\x01\0\0\0\x09ab"));
+    o.read(&message(b'Z', b"T"));
+    assert_eq!(o.wire.unride(), Some(Err(MalformedRow)));
+}
+
+#[test]
+fn a_statement_counts_as_prepared_once_its_parse_is_answered() {
     let mut o = started();
     let wire = Arc::clone(&o.wire);
-    wire.ride(None, true, vec!["idem_a_v1", "idem_b_v1"]);
-    o.written(&message(
-        b'Q',
-        b"BEGIN; PREPARE ..; PREPARE ..; EXECUTE ..\0",
-    ));
-    o.read(&message(b'C', b"BEGIN\0"));
-    o.read(&message(b'C', b"PREPARE\0"));
+    wire.ride(
+        b"BEGIN".to_vec(),
+        unit(),
+        vec![None, Some("idem_a_v1"), Some("idem_b_v1")],
+    );
+    block_on_write(&mut o, &message(b'Q', b"BEGIN\0")).unwrap();
+    o.read(&message(b'1', b""));
+    o.read(&message(b'1', b""));
     assert_eq!(wire.prepared("idem_a_v1"), (true, 0));
     assert_eq!(
         wire.prepared("idem_b_v1"),
         (false, 0),
-        "its PREPARE is not answered yet"
+        "its Parse is not answered yet"
     );
-    // The second PREPARE answered, then a later statement fails: both stay
-    // prepared (PREPARE is not undone by a rollback).
-    o.read(&message(b'C', b"PREPARE\0"));
+    // A failure before the last Parse was answered: it is not prepared.
     o.read(&error(b"55P03"));
     o.read(&message(b'Z', b"E"));
     wire.unride();
-    assert_eq!(wire.prepared("idem_b_v1"), (true, 0));
-    // A PREPARE of the application's own is not idem's.
-    o.read(&message(b'C', b"PREPARE\0"));
+    assert_eq!(wire.prepared("idem_b_v1"), (false, 0));
+    // A ParseComplete of the application's own is not idem's.
+    o.written(&message(b'S', b""));
+    o.read(&message(b'1', b""));
+    o.read(&message(b'Z', b"E"));
+    assert_eq!(wire.prepared("idem_b_v1"), (false, 0));
     // A body's DEALLOCATE of one of them (the tag does not say which), or
     // DEALLOCATE ALL, or DISCARD ALL: all are to be prepared again, under a
     // new generation of names.
@@ -317,29 +360,5 @@ fn a_statement_counts_as_prepared_once_its_prepare_is_answered() {
     ] {
         o.read(&message(b'C', tag));
         assert_eq!(wire.prepared("idem_a_v1"), (false, generation));
-        assert_eq!(wire.prepared("idem_b_v1"), (false, generation));
     }
-}
-
-#[test]
-fn the_capture_is_the_simple_query_not_a_sync_written_before_it() {
-    let mut o = started();
-    o.wire.ride(None, true, Vec::new());
-    // A Close and Sync of a dropped statement go out in the same write.
-    let mut out = message(b'C', b"Ss3\0");
-    out.extend(message(b'S', b""));
-    out.extend(message(b'Q', b"BEGIN; SELECT 'mine'\0"));
-    o.written(&out);
-    // The Sync's answer first, then the query's.
-    let mut answers = message(b'3', b"");
-    answers.extend(message(b'Z', b"I"));
-    answers.extend(message(b'C', b"BEGIN\0"));
-    answers.extend(message(b'T', b"\0\x01"));
-    answers.extend(data_row(&[Some(b"mine")]));
-    answers.extend(message(b'Z', b"T"));
-    o.read(&answers);
-    assert_eq!(
-        o.wire.unride(),
-        Some(Ok(vec![vec![Some(b"mine".to_vec())]]))
-    );
 }
