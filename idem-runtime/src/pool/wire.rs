@@ -123,6 +123,9 @@ struct State {
     /// Bumped whenever the session may have lost some of them: their names
     /// carry it, so that preparing them again never meets one left over.
     generation: u32,
+    /// Refusals so far that said one of idem's statements was lost
+    /// ([`loses_statements`]).
+    losses: u64,
     /// The session's `client_encoding`, when the server said it is not
     /// UTF8 (tokio-postgres sets UTF8; a body's `SET` can change it).
     foreign_encoding: Option<String>,
@@ -237,6 +240,12 @@ impl Wire {
         self.riding.load(Ordering::Acquire)
     }
 
+    /// How many refusals so far said a prepared statement was lost or its
+    /// name taken ([`loses_statements`]).
+    pub(crate) fn losses(&self) -> u64 {
+        self.state().losses
+    }
+
     /// The refusal of the request still being answered, if any.
     pub(crate) fn pending(&self) -> Option<Refusal> {
         self.state().pending
@@ -308,6 +317,7 @@ impl Wire {
         state.closed |= fatal;
         if loses_statements(&code) {
             state.forget_prepared();
+            state.losses += 1;
         }
         let started = match (state.sent.front().copied(), state.answered) {
             (Some(sent), Some(answered)) => sent.max(answered),

@@ -24,7 +24,8 @@
 //!
 //! A transaction of the retry loop is bounded at the server: its `BEGIN`
 //! carries `SET LOCAL statement_timeout` and `SET LOCAL lock_timeout`
-//! ([`Timeouts`]) in the same simple query, so the bound costs no round trip,
+//! ([`Timeouts`]) in the same simple query (or, when statements ride on it,
+//! the same `set_config(.., true)` prepared), so the bound costs no round trip,
 //! and, being transaction-scoped, ends with the transaction: nothing is left
 //! on the pooled connection (and it holds behind PgBouncer's transaction
 //! pooling).
@@ -39,37 +40,17 @@ use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
 };
 
-use crate::cause::{from_sqlstate, Bounds, RetryCause, Transient};
+use crate::cause::{from_sqlstate, RetryCause, Transient};
 use crate::pool::{Marks, PooledConnection, Refusal, Replication, Row, Wire};
 
+mod begin;
 mod pipeline;
 mod prepared;
+pub use begin::Isolation;
+pub(crate) use begin::Timeouts;
+use begin::SYNCHRONOUS;
 pub(crate) use pipeline::{Closing, Last, Opening, Render};
 pub(crate) use prepared::{Prepared, Session};
-
-/// The isolation level each attempt's transaction begins with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Isolation {
-    /// PostgreSQL's default. Lost updates are prevented by versioned writes
-    /// (which come back `Stale`) or row locks, not by the isolation level.
-    #[default]
-    ReadCommitted,
-    /// One snapshot for the whole transaction; a concurrent update of a row it
-    /// writes raises 40001.
-    RepeatableRead,
-    /// Serializable snapshot isolation; write skew raises 40001.
-    Serializable,
-}
-
-impl Isolation {
-    pub(crate) fn begin_sql(self) -> &'static str {
-        match self {
-            Isolation::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            Isolation::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            Isolation::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-        }
-    }
-}
 
 /// One open transaction. Dropping it while open (the caller's future was
 /// cancelled) cancels the statement the server may still run for it and
@@ -114,53 +95,6 @@ pub enum CommitFailure {
 /// Why `BEGIN` failed; the connection is already discarded.
 pub(crate) struct BeginFailure(pub(crate) DieselError);
 
-/// The server's bounds on the statements of one transaction, in whole
-/// milliseconds, never 0 (which PostgreSQL reads as "no timeout").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Timeouts {
-    statement_ms: u32,
-    lock_ms: u32,
-}
-
-impl Timeouts {
-    /// The bounds of a transaction begun with `left` before the call's
-    /// deadline: every statement is cancelled once it has run that long, so
-    /// none outlives the deadline by more than the time between `BEGIN` and
-    /// its own start. A lock wait gives up at half of it, leaving time to back
-    /// off and replay, except on the `last` attempt the budget allows, which
-    /// may wait to the end (its statement timeout then comes first).
-    pub(crate) fn within(left: Duration, last: bool) -> Timeouts {
-        let statement_ms = left.as_millis().clamp(1, i32::MAX as u128) as u32;
-        let lock_ms = if last {
-            statement_ms
-        } else {
-            (statement_ms / 2).max(1)
-        };
-        Timeouts {
-            statement_ms,
-            lock_ms,
-        }
-    }
-
-    fn bounds(self) -> Bounds {
-        Bounds {
-            statement: Duration::from_millis(self.statement_ms.into()),
-            lock: Duration::from_millis(self.lock_ms.into()),
-        }
-    }
-
-    /// `BEGIN` and both settings as one simple query: one round trip. Only
-    /// integers we formatted ourselves go into it.
-    fn begin_sql(self, isolation: Isolation) -> String {
-        format!(
-            "{}; SET LOCAL statement_timeout = '{}ms'; SET LOCAL lock_timeout = '{}ms'",
-            isolation.begin_sql(),
-            self.statement_ms,
-            self.lock_ms
-        )
-    }
-}
-
 impl Tx {
     /// `BEGIN` with `isolation` on a connection fresh from the pool, its
     /// statements bounded by `timeouts`, and the statements `opening` writes
@@ -185,27 +119,52 @@ impl Tx {
         // drop closes the connection.
         tx.open = true;
         let mut sql = timeouts.begin_sql(isolation);
-        if tx.replication() == Some(Replication::Synchronous) {
+        let synchronous = tx.replication() == Some(Replication::Synchronous);
+        if synchronous {
             // A lower setting (a database's or role's default of `local` or
             // `off`) would acknowledge a commit the standby lacks.
-            sql.push_str("; SET LOCAL synchronous_commit = on");
+            sql.push_str("; ");
+            sql.push_str(SYNCHRONOUS);
         }
         let wire = tx.wire_arc();
         let before = wire.marks();
-        let mut riding = None;
-        if let Some(render) = opening {
-            match pipeline::ride_unit(&wire, &sql, render, None) {
-                Ok(unit) => {
-                    wire.ride(sql.clone().into_bytes(), unit.messages, unit.parses);
-                    riding = Some(unit.first);
+        // Sent once more when a statement of idem's that was to ride on it
+        // (`BEGIN` itself among them) was gone unseen or its name taken: the
+        // wire has moved to new names by then, and no transaction is open.
+        let mut tries = 2;
+        let (begun, rows) = loop {
+            tries -= 1;
+            let losses = wire.losses();
+            let mut riding = None;
+            if let Some(render) = opening {
+                let begin = |session: &mut Session<'_>| {
+                    timeouts.write_begin(isolation, session)?;
+                    if synchronous {
+                        session.plain(SYNCHRONOUS);
+                    }
+                    Ok(())
+                };
+                match pipeline::ride_unit(&wire, begin, render, None) {
+                    Ok(unit) => {
+                        wire.ride(sql.clone().into_bytes(), unit.messages, unit.parses);
+                        riding = Some(unit.first);
+                    }
+                    // Nothing to send with BEGIN: the transaction opens
+                    // without them, and answers their failure.
+                    Err(err) => tx.opened = Some(Err(err)),
                 }
-                // Nothing to send with BEGIN: the transaction opens without
-                // them, and answers their failure.
-                Err(err) => tx.opened = Some(Err(err)),
             }
-        }
-        let begun = AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await;
-        let rows = riding.map(|first| (wire.unride(), first));
+            let begun = AnsiTransactionManager::begin_transaction_sql(tx.conn(), &sql).await;
+            let lost = begun.is_err()
+                && riding.is_some()
+                && wire.losses() > losses
+                && wire.settled(timeouts.bounds().statement).await
+                && !wire.unfinished();
+            let rows = riding.map(|first| (wire.unride(), first));
+            if !(lost && tries > 0) {
+                break (begun, rows);
+            }
+        };
         tx.begun = wire.marks();
         match begun {
             Ok(()) => {
@@ -501,36 +460,5 @@ impl Drop for Tx {
             tracing::warn!("transaction dropped while open; closing its connection");
             self.cancel_and_discard();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn timeouts_are_whole_milliseconds_and_never_zero() {
-        let t = Timeouts::within(Duration::from_millis(300), false);
-        assert_eq!((t.statement_ms, t.lock_ms), (300, 150));
-        assert_eq!(
-            t.begin_sql(Isolation::Serializable),
-            "BEGIN ISOLATION LEVEL SERIALIZABLE; SET LOCAL statement_timeout = '300ms'; \
-             SET LOCAL lock_timeout = '150ms'"
-        );
-        // The last attempt may wait for a lock as long as it may run.
-        let t = Timeouts::within(Duration::from_millis(300), true);
-        assert_eq!((t.statement_ms, t.lock_ms), (300, 300));
-        // 0 would mean no timeout at all.
-        for left in [
-            Duration::ZERO,
-            Duration::from_micros(999),
-            Duration::from_millis(1),
-        ] {
-            let t = Timeouts::within(left, false);
-            assert_eq!((t.statement_ms, t.lock_ms), (1, 1), "{left:?}");
-        }
-        // Beyond what the server accepts (an int of milliseconds): its largest.
-        let t = Timeouts::within(Duration::MAX, false);
-        assert_eq!(t.statement_ms, i32::MAX as u32);
     }
 }

@@ -66,9 +66,8 @@ pub(crate) enum Closing {
     Commit(CommitFailure),
 }
 
-/// A ride's messages: `before` (idem's own `; `-separated statements, as
-/// the simple query being replaced holds them), what `write` writes, then
-/// `after`, ended by a `Sync`. Refused before anything is sent when the
+/// A ride's messages: what `before` writes (what the simple query being
+/// replaced does), what `write` writes, then `after`, ended by a `Sync`. Refused before anything is sent when the
 /// session would not read its values as written ([`values_hold`]).
 pub(super) struct Unit {
     pub(super) messages: Vec<u8>,
@@ -79,15 +78,13 @@ pub(super) struct Unit {
 
 pub(super) fn ride_unit(
     wire: &Wire,
-    before: &str,
+    before: impl FnOnce(&mut Session<'_>) -> QueryResult<()>,
     write: impl FnOnce(&mut Session<'_>) -> QueryResult<()>,
     after: Option<&str>,
 ) -> QueryResult<Unit> {
     values_hold(wire)?;
     let mut session = Session::new(wire);
-    for statement in before.split("; ").filter(|s| !s.is_empty()) {
-        session.plain(statement);
-    }
+    before(&mut session)?;
     let first = session.statements();
     write(&mut session)?;
     if let Some(sql) = after {
@@ -147,8 +144,13 @@ impl Tx {
         }
         // Nothing was sent yet: the transaction is still sound.
         let wire = self.wire_arc();
-        let unit = ride_unit(&wire, "", |session| last.write(session), Some("COMMIT"))
-            .map_err(Closing::Failed)?;
+        let unit = ride_unit(
+            &wire,
+            |_| Ok(()),
+            |session| last.write(session),
+            Some("COMMIT"),
+        )
+        .map_err(Closing::Failed)?;
         wire.ride(b"COMMIT".to_vec(), unit.messages, unit.parses);
         let committed = self.send_commit(timeout).await;
         let rows = wire
@@ -175,7 +177,7 @@ impl Tx {
     /// Run `first` on the open transaction, as one request of its own.
     pub(crate) async fn run<O: Opening>(&mut self, first: &O) -> QueryResult<O::Output> {
         let wire = self.wire_arc();
-        let unit = ride_unit(&wire, "", |session| first.write(session), None)?;
+        let unit = ride_unit(&wire, |_| Ok(()), |session| first.write(session), None)?;
         wire.ride(PLACEHOLDER.as_bytes().to_vec(), unit.messages, unit.parses);
         let mut shared: &AsyncPgConnection = self.conn();
         let ran = shared.batch_execute(PLACEHOLDER).await;

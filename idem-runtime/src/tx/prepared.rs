@@ -10,6 +10,10 @@
 //! `BEGIN`, the simple query's 17 to 30. Values go as parameters, never
 //! into SQL text.
 //!
+//! `BEGIN` and its bounds, which the replaced query sent as SQL text, are
+//! prepared statements of idem's too (a `Parse` of each at every call cost
+//! the server more than their execution).
+//!
 //! Each of idem's statements is `Parse`d under its name the first time a
 //! connection sends it. The connection's wire counts it prepared once the
 //! server answers that `Parse` (a later failure in the same message does
