@@ -69,6 +69,15 @@ pub enum Error {
         /// What the body had written before was committed (or prepared).
         committed: bool,
     },
+    /// Local mode: the transaction committed, but the statement that writes
+    /// the key's record wrote no row, because a statement of the
+    /// application's stood under the name of idem's (prepared inside a
+    /// function, where idem cannot see it; names starting `idem_` are
+    /// reserved). The body's writes are committed without a record, so a
+    /// repeat of the key would run again; the connection is closed, and its
+    /// statements with it. A bug in the application (500).
+    #[error("the body's writes were committed, but the key's record was not written: a statement of the application's stands under a name idem reserves (idem_..); a repeat of the key would run again")]
+    RecordNotWritten,
     /// `COMMIT` was answered with an error that is not replayable (a deferred
     /// constraint, say): nothing was committed.
     #[error("COMMIT failed, nothing was committed: {0}")]

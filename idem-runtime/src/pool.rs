@@ -41,7 +41,7 @@ use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use tokio_postgres::config::{Host, SslMode, SslNegotiation};
 
-pub(crate) use wire::{loses_statements, MalformedRow, Marks, Refusal, Row, Wire};
+pub(crate) use wire::{loses_statements, Answer, MalformedRow, Marks, Refusal, Row, Wire};
 
 /// Ask for the server's messages in the C locale, where the server lets us.
 ///

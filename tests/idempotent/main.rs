@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, Semaphore};
 
 mod attack;
+mod attack_ext;
 mod attack_wire;
 mod closing;
 mod derived_keys;

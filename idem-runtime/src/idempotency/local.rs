@@ -101,6 +101,12 @@ impl Last for Completing<'_> {
         .write(session)
     }
 
+    /// An `INSERT` of one row, or a takeover (`ON CONFLICT .. DO UPDATE`
+    /// reports the row it updated as inserted).
+    fn wrote(&self, tag: &[u8]) -> bool {
+        tag == b"INSERT 0 1"
+    }
+
     /// The response as stored; none when it cannot be read, which only
     /// leaves the cache unfilled (the record is committed either way).
     fn read(&self, rows: Option<Vec<Row>>) -> Option<serde_json::Value> {

@@ -258,13 +258,23 @@ pub(crate) struct Complete<'a> {
 /// [`Complete`]'s statement: an `INSERT` of its row, or a takeover of an
 /// expired record, each with or without `RETURNING` the response (as text,
 /// as all of a ride's results are). Each parameter takes its column's type.
+///
+/// It fails, and with it the transaction before its `COMMIT` runs, when
+/// `idem_requests` names a temporary table (a body's own, which comes
+/// first in the search path and would take the record away with it): the
+/// table's name is resolved where the `INSERT`'s is, when the statement is
+/// planned, and an enum's input refuses the label that says why.
 macro_rules! complete_statement {
     ($name:literal, $tail:expr) => {
         Prepared {
             name: $name,
             text: concat!(
                 "INSERT INTO idem_requests AS r (scope, scope_label, key, operation, fingerprint, \
-                 mode, state, outcome, response, expires_at) VALUES ($1, $2, $3, $4, $5, 'local', \
+                 mode, state, outcome, response, expires_at) VALUES ($1, $2, $3, $4, $5, \
+                 CASE WHEN (SELECT c.relpersistence FROM pg_catalog.pg_class c \
+                 WHERE c.oid = 'idem_requests'::regclass) = 't' \
+                 THEN 'idem: idem_requests is a temporary table here; the record would go with it' \
+                 ELSE 'local' END::idem_request_mode, \
                  'completed', $6, $7, now() + $8::int8 * interval '1 microsecond')",
                 $tail
             ),

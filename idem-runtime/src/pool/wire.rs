@@ -42,7 +42,7 @@ mod frame;
 mod ride;
 mod stream;
 
-pub(crate) use ride::{MalformedRow, Row};
+pub(crate) use ride::{Answer, MalformedRow, Row};
 pub(crate) use stream::Observe;
 #[cfg(test)]
 use stream::Observed;
@@ -208,7 +208,7 @@ impl Wire {
 
     /// Stop riding; the rows of each statement of the unit, once it was
     /// answered.
-    pub(crate) fn unride(&self) -> Option<Result<Vec<Vec<Row>>, MalformedRow>> {
+    pub(crate) fn unride(&self) -> Option<Result<Vec<Answer>, MalformedRow>> {
         let rows = self.state().ride.disarm();
         self.riding.store(false, Ordering::Release);
         rows
@@ -361,7 +361,7 @@ impl Wire {
 
     fn on_complete(&self, tag: &[u8]) {
         let mut state = self.state();
-        state.ride.on_complete();
+        state.ride.on_complete(tag);
         if tag.starts_with(b"DEALLOCATE") || tag == b"DISCARD ALL" {
             // Someone else's: any of idem's statements may be gone (the tag
             // does not say which), so all are prepared again, under new

@@ -26,7 +26,7 @@ use diesel::QueryResult;
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 
 use super::{CommitFailure, Session, Tx};
-use crate::pool::{MalformedRow, Row, Wire};
+use crate::pool::{Answer, MalformedRow, Row, Wire};
 
 /// Statements to send with `BEGIN`.
 pub(crate) trait Opening {
@@ -38,11 +38,14 @@ pub(crate) trait Opening {
 }
 
 /// A statement to send with `COMMIT`. It must write or fail, never do
-/// nothing: its row count is not read.
+/// nothing.
 pub(crate) trait Last {
     type Output;
     /// Write the statement through `session`.
     fn write(&self, session: &mut Session<'_>) -> QueryResult<()>;
+    /// Whether its command tag says it wrote: when not, the statement that
+    /// ran was not the one written (another under its prepared name).
+    fn wrote(&self, tag: &[u8]) -> bool;
     /// The answer once committed, from its rows (`None`: none were read).
     fn read(&self, rows: Option<Vec<Row>>) -> Self::Output;
 }
@@ -64,6 +67,9 @@ pub(crate) enum Closing {
     Failed(DieselError),
     /// The `COMMIT` was not committed for certain (as [`Tx::commit`]).
     Commit(CommitFailure),
+    /// Committed, but the last statement did not write ([`Last::wrote`]):
+    /// the connection is discarded.
+    Unwritten,
 }
 
 /// A ride's messages: what `before` writes (what the simple query being
@@ -117,11 +123,11 @@ fn values_hold(wire: &Wire) -> QueryResult<()> {
 
 /// The rows a capture kept, statement by statement, from the `first`.
 pub(super) fn captured(
-    rows: Option<Result<Vec<Vec<Row>>, MalformedRow>>,
+    answers: Option<Result<Vec<Answer>, MalformedRow>>,
     first: usize,
 ) -> QueryResult<Vec<Vec<Row>>> {
-    match rows {
-        Some(Ok(mut rows)) => Ok(rows.split_off(first.min(rows.len()))),
+    match answers {
+        Some(Ok(answers)) => Ok(answers.into_iter().skip(first).map(|a| a.rows).collect()),
         Some(Err(MalformedRow)) => Err(DieselError::DeserializationError(
             "idem: a row sent with BEGIN could not be read".into(),
         )),
@@ -153,12 +159,23 @@ impl Tx {
         .map_err(Closing::Failed)?;
         wire.ride(b"COMMIT".to_vec(), unit.messages, unit.parses);
         let committed = self.send_commit(timeout).await;
-        let rows = wire
+        let answer = wire
             .unride()
             .and_then(Result::ok)
-            .and_then(|results| results.into_iter().next());
+            .and_then(|answers| answers.into_iter().next());
         match committed {
-            Ok(()) => Ok(last.read(rows)),
+            Ok(()) => match answer {
+                Some(answer) if !last.wrote(&answer.tag) => {
+                    tracing::error!(
+                        tag = %String::from_utf8_lossy(&answer.tag),
+                        "the statement sent with COMMIT did not write: another statement stands under its name; closing the connection"
+                    );
+                    self.discard();
+                    Err(Closing::Unwritten)
+                }
+                Some(answer) => Ok(last.read(Some(answer.rows))),
+                None => Ok(last.read(None)),
+            },
             // The server says the transaction failed and is still open: the
             // last statement failed, and COMMIT never ran. diesel-async
             // counted the transaction as ended with the error, which the

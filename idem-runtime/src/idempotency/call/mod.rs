@@ -371,6 +371,7 @@ impl<E> Call<E> {
             }
             Err(Closing::Failed(e)) => Err(db(e)),
             Err(Closing::Commit(failure)) => Ok((Step::Committed(Err(failure)), None)),
+            Err(Closing::Unwritten) => Err(E::from(Error::RecordNotWritten)),
         }
     }
 

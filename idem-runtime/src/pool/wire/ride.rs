@@ -27,6 +27,13 @@ use std::collections::VecDeque;
 /// (`None`: NULL).
 pub(crate) type Row = Vec<Option<Vec<u8>>>;
 
+/// One statement's answer in a ride's unit: its command tag and its rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Answer {
+    pub(crate) tag: Vec<u8>,
+    pub(crate) rows: Vec<Row>,
+}
+
 /// What rides on a connection's next request.
 #[derive(Debug, Default)]
 pub(super) struct Ride {
@@ -35,8 +42,8 @@ pub(super) struct Ride {
     query: Vec<u8>,
     unit: Option<Vec<u8>>,
     place: Place,
-    /// The rows of each statement answered so far, in order.
-    results: Vec<Vec<Row>>,
+    /// Each statement answered so far, in order.
+    results: Vec<Answer>,
     /// The rows of the statement being answered.
     rows: Vec<Row>,
     /// The replacing request was answered.
@@ -75,9 +82,9 @@ impl Ride {
         };
     }
 
-    /// Stop riding; the rows of each statement, once the request was
-    /// answered (an error when one of them could not be read).
-    pub(super) fn disarm(&mut self) -> Option<Result<Vec<Vec<Row>>, MalformedRow>> {
+    /// Stop riding; each statement's answer, once the request was answered
+    /// (an error when one of its rows could not be read).
+    pub(super) fn disarm(&mut self) -> Option<Result<Vec<Answer>, MalformedRow>> {
         let ride = std::mem::take(self);
         match (ride.done, ride.malformed) {
             (false, _) => None,
@@ -140,11 +147,14 @@ impl Ride {
         }
     }
 
-    /// A `CommandComplete`: a statement's rows are all in.
-    pub(super) fn on_complete(&mut self) {
+    /// A `CommandComplete` and its tag: a statement's rows are all in.
+    pub(super) fn on_complete(&mut self, tag: &[u8]) {
         if self.answering() {
             let rows = std::mem::take(&mut self.rows);
-            self.results.push(rows);
+            self.results.push(Answer {
+                tag: tag.to_vec(),
+                rows,
+            });
         }
     }
 

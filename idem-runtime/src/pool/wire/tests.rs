@@ -292,11 +292,17 @@ fn the_units_answer_reads_as_a_simple_querys_with_its_rows_kept() {
     assert_eq!(
         o.wire.unride().expect("answered").expect("readable"),
         vec![
-            vec![
-                vec![Some(b"a".to_vec()), None],
-                vec![Some(Vec::new()), Some(vec![7; 5000])],
-            ],
-            vec![],
+            Answer {
+                tag: b"SELECT 2".to_vec(),
+                rows: vec![
+                    vec![Some(b"a".to_vec()), None],
+                    vec![Some(Vec::new()), Some(vec![7; 5000])],
+                ],
+            },
+            Answer {
+                tag: b"SELECT 0".to_vec(),
+                rows: vec![],
+            },
         ]
     );
     // Disarmed: later answers pass whole, and no row is kept.
