@@ -260,10 +260,11 @@ pub(crate) struct Complete<'a> {
 /// as all of a ride's results are). Each parameter takes its column's type.
 ///
 /// It fails, and with it the transaction before its `COMMIT` runs, when
-/// `idem_requests` names a temporary table (a body's own, which comes
-/// first in the search path and would take the record away with it): the
-/// table's name is resolved where the `INSERT`'s is, when the statement is
-/// planned, and an enum's input refuses the label that says why.
+/// the session has a temporary table named `idem_requests` (a body's own,
+/// which comes first in the search path and would take the record away
+/// with it): an enum's input refuses the label that says why. (A lookup of
+/// the name, not of the table the `INSERT` resolved: a catalog read per
+/// record cost 0.06 of the bare handler.)
 macro_rules! complete_statement {
     ($name:literal, $tail:expr) => {
         Prepared {
@@ -271,8 +272,7 @@ macro_rules! complete_statement {
             text: concat!(
                 "INSERT INTO idem_requests AS r (scope, scope_label, key, operation, fingerprint, \
                  mode, state, outcome, response, expires_at) VALUES ($1, $2, $3, $4, $5, \
-                 CASE WHEN (SELECT c.relpersistence FROM pg_catalog.pg_class c \
-                 WHERE c.oid = 'idem_requests'::regclass) = 't' \
+                 CASE WHEN pg_catalog.to_regclass('pg_temp.idem_requests') IS NOT NULL \
                  THEN 'idem: idem_requests is a temporary table here; the record would go with it' \
                  ELSE 'local' END::idem_request_mode, \
                  'completed', $6, $7, now() + $8::int8 * interval '1 microsecond')",
