@@ -6,12 +6,9 @@
 //! purge) use the query builder.
 //!
 //! Local mode's statements ride on the transaction's `BEGIN` and `COMMIT`
-//! (see [`crate::tx`]), which are simple queries: the lock and the read
-//! are one call of `idem_local_open` (migration 17), and [`Complete`] is SQL
-//! text, both with their values written in as literals ([`crate::sql`]:
-//! quotes doubled, backslashes in an `E''` string, bytes in hex). Every
-//! value is one the request validated (a key has no control characters, a
-//! response no U+0000) or one idem made (hashes, numbers).
+//! (see [`crate::tx`]): [`LOCK`], [`READ_TEXT`] and [`Complete`]'s, prepared
+//! once per session and bound with their values in text form (bytes as
+//! `\x` hex), their rows read as text.
 
 use std::fmt::Write;
 

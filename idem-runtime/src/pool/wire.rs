@@ -118,7 +118,7 @@ struct State {
     /// What rides on the next request.
     ride: ride::Ride,
     /// idem's statements prepared on this session (`crate::tx`'s prepared
-    /// statements), once the server answered their `PREPARE`.
+    /// statements), once the server answered their `Parse`.
     prepared: Vec<&'static str>,
     /// Bumped whenever the session may have lost some of them: their names
     /// carry it, so that preparing them again never meets one left over.
@@ -131,12 +131,12 @@ struct State {
     foreign_encoding: Option<String>,
 }
 
-/// SQLSTATE `invalid_sql_statement_name`: `EXECUTE` of a statement the
-/// session does not hold.
+/// SQLSTATE `invalid_sql_statement_name`: a `Bind` (or `EXECUTE`) of a
+/// statement the session does not hold.
 const MISSING_STATEMENT: &[u8; 5] = b"26000";
 
-/// SQLSTATE `duplicate_prepared_statement`: `PREPARE` of a name the session
-/// holds already.
+/// SQLSTATE `duplicate_prepared_statement`: a `Parse` (or `PREPARE`) of a
+/// name the session holds already.
 const TAKEN_STATEMENT: &[u8; 5] = b"42P05";
 
 /// Whether a refusal with SQLSTATE `code` means a prepared statement of

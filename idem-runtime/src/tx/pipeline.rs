@@ -73,8 +73,9 @@ pub(crate) enum Closing {
 }
 
 /// A ride's messages: what `before` writes (what the simple query being
-/// replaced does), what `write` writes, then `after`, ended by a `Sync`. Refused before anything is sent when the
-/// session would not read its values as written ([`values_hold`]).
+/// replaced does), what `write` writes, then `after`, ended by a `Sync`.
+/// Refused before anything is sent when the session would not read its
+/// values as written ([`values_hold`]).
 pub(super) struct Unit {
     pub(super) messages: Vec<u8>,
     pub(super) parses: Vec<Option<&'static str>>,

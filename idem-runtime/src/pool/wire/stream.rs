@@ -1,6 +1,8 @@
 //! The stream in between: a connection's socket, read and written through,
-//! with what passes reported to its [`Wire`], and local mode's statement
-//! written in front of the `COMMIT` it rides on (see [`ride`](super::ride)).
+//! with what passes reported to its [`Wire`]; local mode's statements
+//! written in place of the simple query they ride on, and the answers only
+//! they get taken out of what tokio-postgres reads (see
+//! [`ride`](super::ride)).
 
 use std::io;
 use std::pin::Pin;
@@ -110,8 +112,9 @@ impl<S: AsyncWrite + Unpin> Observed<S> {
         Poll::Ready(Ok(()))
     }
 
-    /// When a unit waits to replace the next `Query` (see [`ride`](super::ride)): the
-    /// first `Query` that starts in `buf` is taken, with what precedes it (a
+    /// When a unit waits to replace the next `Query` (see
+    /// [`ride`](super::ride)): the first `Query` that starts in `buf` is
+    /// taken, with what precedes it (a
     /// `Close` of a statement diesel-async dropped, say), and the unit owed
     /// in its place. Returns how much of `buf` was taken; `None` when `buf`
     /// holds no `Query`'s start (it is written as it is, and the unit still
