@@ -114,11 +114,7 @@ impl Migration {
     pub fn checksum(&self) -> String {
         let normalised = self.sql.replace("\r\n", "\n");
         let digest = Sha256::digest(normalised.as_bytes());
-        digest.iter().fold(String::with_capacity(64), |mut hex, b| {
-            use fmt::Write as _;
-            let _ = write!(hex, "{b:02x}");
-            hex
-        })
+        crate::sql::to_hex(&digest)
     }
 }
 

@@ -362,8 +362,8 @@ impl deadpool::managed::Manager for Manager {
                 "closed, in a transaction, or still owed an answer",
             ));
         }
-        // A session whose client encoding someone changed reads the SQL
-        // text idem writes (see `crate::tx`) in another encoding.
+        // A session whose client encoding someone changed reads the values
+        // idem binds (see `crate::tx`) in another encoding.
         if obj.wire.foreign_encoding().is_some() {
             return Err(deadpool::managed::RecycleError::message(
                 "its client_encoding is no longer UTF8",

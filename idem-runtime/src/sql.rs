@@ -1,6 +1,6 @@
 //! SQL text with its values written in: literals for the statements idem
 //! sends as simple queries (DDL), where no parameter can be bound; and hex
-//! as PostgreSQL writes it, read back.
+//! as PostgreSQL writes it, both ways.
 
 /// Like PostgreSQL's `quote_literal`: single quotes doubled, and an `E''`
 /// string with doubled backslashes when there is a backslash, so the result
@@ -12,7 +12,7 @@ pub(crate) fn quote_literal(value: &str) -> String {
 }
 
 /// [`quote_literal`], appended to `out`.
-pub(crate) fn push_literal(out: &mut String, value: &str) {
+fn push_literal(out: &mut String, value: &str) {
     if value.contains('\\') {
         out.push_str("E'");
         for c in value.chars() {
@@ -32,6 +32,22 @@ pub(crate) fn push_literal(out: &mut String, value: &str) {
         }
     }
     out.push('\'');
+}
+
+/// `bytes` as lowercase hex, as `encode(.., 'hex')` writes it.
+pub(crate) fn to_hex(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(2 * bytes.len());
+    push_hex(&mut out, bytes);
+    out
+}
+
+/// [`to_hex`], appended to `out`.
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for &byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
+    }
 }
 
 /// Lowercase hex, as `encode(.., 'hex')` writes it, back to bytes.
@@ -65,6 +81,8 @@ mod tests {
 
     #[test]
     fn hex_round_trips_and_refuses_what_is_not_hex() {
+        assert_eq!(to_hex(&[0, 0xab, 0xff, 0x10]), "00abff10");
+        assert_eq!(from_hex(to_hex(&[7, 200]).as_bytes()), Some(vec![7, 200]));
         assert_eq!(from_hex(b"00abFF"), Some(vec![0, 0xab, 0xff]));
         assert_eq!(from_hex(b""), Some(vec![]));
         assert_eq!(from_hex(b"abc"), None);

@@ -10,13 +10,12 @@
 //! once per session and bound with their values in text form (bytes as
 //! `\x` hex), their rows read as text.
 
-use std::fmt::Write;
-
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{BigInt, Binary, Bool, Jsonb, Nullable, Text};
 use diesel::QueryResult;
 
+use crate::sql::push_hex;
 use crate::tx::{Prepared, Session};
 
 /// What is left of a record's retention, in whole milliseconds (negative
@@ -28,6 +27,13 @@ macro_rules! remaining_ms {
     };
 }
 const REMAINING_MS: &str = remaining_ms!();
+
+/// The columns of a record's [`Identity`], in the order it binds them.
+macro_rules! identity_columns {
+    () => {
+        "scope, scope_label, key, operation, fingerprint"
+    };
+}
 
 /// A record's `state` (the enum `idem_request_state`, migration 15).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,7 +100,7 @@ pub(crate) struct Identity<'a> {
 
 impl<'a> Identity<'a> {
     /// The columns [`push_values`](Self::push_values) binds, in its order.
-    const COLUMNS: &'static str = "scope, scope_label, key, operation, fingerprint";
+    const COLUMNS: &'static str = identity_columns!();
 
     fn push_values<'b>(&'b self, out: &mut AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_bind_param::<Text, _>(self.scope)?;
@@ -267,8 +273,9 @@ macro_rules! complete_statement {
         Prepared {
             name: $name,
             text: concat!(
-                "INSERT INTO idem_requests AS r (scope, scope_label, key, operation, fingerprint, \
-                 mode, state, outcome, response, expires_at) VALUES ($1, $2, $3, $4, $5, \
+                "INSERT INTO idem_requests AS r (",
+                identity_columns!(),
+                ", mode, state, outcome, response, expires_at) VALUES ($1, $2, $3, $4, $5, \
                  CASE WHEN pg_catalog.to_regclass('pg_temp.idem_requests') IS NOT NULL \
                  THEN 'idem: idem_requests is a temporary table here; the record would go with it' \
                  ELSE 'local' END::idem_request_mode, \
@@ -308,9 +315,7 @@ impl Complete<'_> {
         let response = self.response.to_string();
         let mut fingerprint = String::with_capacity(2 + 2 * self.identity.fingerprint.len());
         fingerprint.push_str("\\x");
-        for byte in self.identity.fingerprint {
-            let _ = write!(fingerprint, "{byte:02x}");
-        }
+        push_hex(&mut fingerprint, self.identity.fingerprint);
         let ttl = self.ttl_micros.to_string();
         let statement = &COMPLETE[usize::from(self.takeover) * 2 + usize::from(self.returning)];
         session.call(

@@ -79,8 +79,7 @@ pub fn message_id(headers: Option<&HeaderMap>, stream_sequence: u64) -> String {
         Some(id) if id.len() <= MAX_ID_BYTES => id.to_owned(),
         Some(id) => {
             let digest = Sha256::digest(id.as_bytes());
-            let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-            format!("sha256:{hex}")
+            format!("sha256:{}", crate::sql::to_hex(&digest))
         }
         None => format!("seq:{stream_sequence}"),
     }

@@ -165,9 +165,7 @@ fn u32_len(len: usize) -> u32 {
 }
 
 /// Lower-case hex of bytes.
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+pub(crate) use crate::sql::to_hex as hex;
 
 #[cfg(test)]
 mod tests;
