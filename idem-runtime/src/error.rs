@@ -69,6 +69,15 @@ pub enum Error {
         /// What the body had written before was committed (or prepared).
         committed: bool,
     },
+    /// The body returned with a savepoint still open: a `conn.transaction(..)`
+    /// whose future it dropped before it finished (under a timeout or a
+    /// `select!`, say), or a `begin_transaction` without its end. diesel-async
+    /// would have sent `RELEASE SAVEPOINT` where the `COMMIT` belongs and left
+    /// the transaction open; idem closed the connection instead, so nothing
+    /// was committed, and the open part's writes are not kept half-done. Not
+    /// replayed: the body would do the same again. A bug in the body (500).
+    #[error("the body returned with a savepoint still open (a conn.transaction(..) whose future was dropped before it finished?): nothing was committed; not replayed")]
+    SavepointOpen,
     /// Local mode: the transaction committed, but the statement that writes
     /// the key's record wrote no row, because a statement of the
     /// application's stood under the name of idem's (prepared inside a

@@ -378,3 +378,32 @@ async fn an_expired_lease_is_outcome_unknown_never_a_rerun() {
     assert_eq!(target.script.calls(), 1);
     assert_eq!(env.effects("sent:x-lease").await, 1);
 }
+
+/// Phase 3's transaction left with a savepoint open: its `COMMIT` would be a
+/// `RELEASE SAVEPOINT`. Nothing of it commits, the call says why, and the
+/// key stays held, as after any phase 3 that did not commit (the outside
+/// call may have happened).
+#[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external, scope = none)]
+#[retryable(max = 3, deadline_ms = 30000)]
+async fn send_leaving_a_savepoint(
+    db: &mut Deferred<'_>,
+    cmd: &SendCmd,
+) -> Result<String, AppError> {
+    let conn = db.conn().await?;
+    insert_effect(conn, &format!("sent:{}", cmd.key), cmd.amount).await?;
+    <diesel_async::AnsiTransactionManager as diesel_async::TransactionManager<_>>::begin_transaction(conn).await?;
+    Ok("receipt".to_owned())
+}
+
+#[tokio::test]
+async fn external_phase_3_with_a_savepoint_open_commits_nothing_and_holds_the_key() {
+    let env = env(2).await;
+    let result = send_leaving_a_savepoint(&env.pool, &send_cmd("x-savepoint", 5)).await;
+    assert!(matches_idem(&result, "SavepointOpen"), "{result:?}");
+    assert_eq!(env.effects("sent:x-savepoint").await, 0);
+    // Held as an outcome nobody knows, until an operator settles it.
+    assert_eq!(env.state("x-savepoint").await.as_deref(), Some("unknown"));
+    let again = send_leaving_a_savepoint(&env.pool, &send_cmd("x-savepoint", 5)).await;
+    assert!(matches_idem(&again, "OutcomeUnknown"), "{again:?}");
+    assert_eq!(env.effects("sent:x-savepoint").await, 0);
+}

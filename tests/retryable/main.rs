@@ -33,6 +33,7 @@ mod deadline;
 mod deadline_external;
 mod nesting;
 mod not_replayed;
+mod open_savepoint;
 mod replayed;
 mod versioned_writers;
 

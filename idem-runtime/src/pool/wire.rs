@@ -206,6 +206,13 @@ impl Wire {
         (state.prepared.contains(&name), state.generation)
     }
 
+    /// Whether the ride was refused because diesel-async sent `RELEASE
+    /// SAVEPOINT` where its `COMMIT` belonged (a savepoint the body left
+    /// open); read before [`Wire::unride`].
+    pub(crate) fn released_savepoint(&self) -> bool {
+        self.state().ride.released()
+    }
+
     /// Stop riding; the rows of each statement of the unit, once it was
     /// answered.
     pub(crate) fn unride(&self) -> Option<Result<Vec<Answer>, MalformedRow>> {

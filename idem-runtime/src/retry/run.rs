@@ -448,6 +448,7 @@ impl<'p> RetryLoop<'p> {
                 (Error::TransactionEnded { committed }, "ended_by_body")
             }
             CommitFailure::Failed(err) => (Error::Commit(err), "commit_failed"),
+            CommitFailure::SavepointOpen => (Error::SavepointOpen, "savepoint_open"),
         };
         self.done(Err(E::from(err)), label)
     }

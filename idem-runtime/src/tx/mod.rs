@@ -36,6 +36,7 @@ use std::time::Duration;
 use deadpool::managed::Object;
 use diesel::result::Error as DieselError;
 use diesel::QueryResult;
+use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
 };
@@ -90,6 +91,11 @@ pub enum CommitFailure {
         /// Something was committed.
         committed: bool,
     },
+    /// The body left a savepoint open (a `conn.transaction(..)` whose future
+    /// it dropped, say), so diesel-async's `COMMIT` was a `RELEASE
+    /// SAVEPOINT`: the connection was closed with its transaction open, and
+    /// nothing was committed.
+    SavepointOpen,
 }
 
 /// Why `BEGIN` failed; the connection is already discarded.
@@ -263,6 +269,13 @@ impl Tx {
                 self.open = false;
                 Err(CommitFailure::RolledBack(self.failure_cause()))
             }
+            // diesel-async still counts a transaction: the body left a
+            // savepoint open, and what went out was its `RELEASE`.
+            Ok(Ok(())) if PoolableConnection::is_broken(self.conn()) => {
+                tracing::error!("the body left a savepoint open: COMMIT was a RELEASE SAVEPOINT; closing the connection, nothing committed");
+                self.discard();
+                Err(CommitFailure::SavepointOpen)
+            }
             Ok(Ok(())) => {
                 self.open = false;
                 Ok(())
@@ -313,6 +326,14 @@ impl Tx {
             .await
         };
         match rolled_back {
+            // A savepoint the body left open made it a `ROLLBACK TO
+            // SAVEPOINT`: the transaction, and its locks, would go back to
+            // the pool. Closed instead, which rolls it back.
+            Ok(Ok(())) if PoolableConnection::is_broken(self.conn()) => {
+                tracing::warn!("the body left a savepoint open: ROLLBACK was to the savepoint; closing the connection");
+                self.discard();
+                false
+            }
             Ok(Ok(())) => {
                 self.open = false;
                 self.unmanaged = false;

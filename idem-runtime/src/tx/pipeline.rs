@@ -160,6 +160,7 @@ impl Tx {
         .map_err(Closing::Failed)?;
         wire.ride(b"COMMIT".to_vec(), unit.messages, unit.parses);
         let committed = self.send_commit(timeout).await;
+        let released = wire.released_savepoint();
         let answer = wire
             .unride()
             .and_then(Result::ok)
@@ -187,6 +188,12 @@ impl Tx {
                 self.open = true;
                 self.unmanaged = true;
                 Err(Closing::Failed(err))
+            }
+            // The wire refused the `RELEASE SAVEPOINT` a savepoint the body
+            // left open sent in place of `COMMIT`, and closed the connection
+            // before it went out: nothing committed.
+            Err(CommitFailure::Unknown) if released => {
+                Err(Closing::Commit(CommitFailure::SavepointOpen))
             }
             Err(failure) => Err(Closing::Commit(failure)),
         }

@@ -53,6 +53,10 @@ pub(super) struct Ride {
     /// One per `Parse` in the unit, not yet answered: the statement it
     /// prepares under its name (none for an unnamed one).
     parses: VecDeque<Option<&'static str>>,
+    /// The `Query` met instead of the one to replace was diesel-async's
+    /// `RELEASE SAVEPOINT`: a savepoint the body left open made its
+    /// `COMMIT` one.
+    released: bool,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +97,12 @@ impl Ride {
         }
     }
 
+    /// Whether the `Query` met instead of the unit's was a `RELEASE
+    /// SAVEPOINT` (see [`Ride::take_unit`]).
+    pub(super) fn released(&self) -> bool {
+        self.released
+    }
+
     /// Whether a unit waits for its `Query`.
     pub(super) fn waits(&self) -> bool {
         self.unit.is_some()
@@ -104,6 +114,7 @@ impl Ride {
         self.unit.as_ref()?;
         if text != self.query.as_slice() {
             self.unit = None;
+            self.released = text.starts_with(b"RELEASE SAVEPOINT ");
             return Some(Err(Mismatch));
         }
         self.unit.take().map(Ok)

@@ -239,6 +239,7 @@ fn no_query_goes_out_without_its_unit() {
     let err = block_on_write(&mut o, &commit[..7]).expect_err("refused");
     assert!(err.to_string().contains("before anything commits"), "{err}");
     assert!(o.wire.closed());
+    assert!(!o.wire.released_savepoint());
     // A Query other than the one the unit replaces.
     let mut o = started();
     o.inner.clear();
@@ -251,6 +252,11 @@ fn no_query_goes_out_without_its_unit() {
     );
     assert!(o.wire.closed());
     assert!(o.inner.is_empty(), "nothing written");
+    // What a savepoint the body left open sends: told apart (see
+    // `Tx::commit_with`), until the ride is put down.
+    assert!(o.wire.released_savepoint());
+    o.wire.unride();
+    assert!(!o.wire.released_savepoint());
 }
 
 #[test]
