@@ -135,15 +135,20 @@ impl Attempt {
         Ok(self.conn())
     }
 
-    /// Run `first` as the attempt's first statements: sent with its `BEGIN`
-    /// when its transaction was deferred (no round trip of their own), on
-    /// their own otherwise.
+    /// Run `first` as the attempt's first statements, sent with its `BEGIN`
+    /// (no round trip of their own). Only an attempt that begins on first
+    /// use has them (local mode's, see `Call::begin`); on one already open
+    /// they would come after statements that were to follow them, so they
+    /// are refused.
     pub(crate) async fn open_with<F: First + Sync>(
         &mut self,
         first: &F,
     ) -> Result<QueryResult<F::Output>, Error> {
         match self.tx.as_mut() {
-            Some(tx) => Ok(tx.run(first).await),
+            Some(_) => Ok(Err(diesel::result::Error::QueryBuilderError(
+                "idem: the first statements of an attempt whose transaction is already open (a bug in idem)"
+                    .into(),
+            ))),
             None => {
                 let render = |session: &mut Session<'_>| first.write(session);
                 self.begin_deferred(Some(&render)).await?;

@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use diesel::result::Error as DieselError;
 use diesel::QueryResult;
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 
 use super::{CommitFailure, Session, Tx};
 use crate::pool::{Answer, MalformedRow, Row, Wire};
@@ -53,9 +52,6 @@ pub(crate) trait Last {
 /// [`Opening::write`] of the statements to send with a transaction's
 /// `BEGIN`, called once its connection is known.
 pub(crate) type Render<'a> = &'a (dyn Fn(&mut Session<'_>) -> QueryResult<()> + Sync);
-
-/// The text of the simple query [`Tx::run`] sends for the wire to replace.
-const PLACEHOLDER: &str = "SELECT 'idem: replaced by the statements that ride here'";
 
 /// How a transaction whose last statement went out with its `COMMIT`
 /// ended, when it did not commit.
@@ -197,17 +193,5 @@ impl Tx {
             }
             Err(failure) => Err(Closing::Commit(failure)),
         }
-    }
-
-    /// Run `first` on the open transaction, as one request of its own.
-    pub(crate) async fn run<O: Opening>(&mut self, first: &O) -> QueryResult<O::Output> {
-        let wire = self.wire_arc();
-        let unit = ride_unit(&wire, |_| Ok(()), |session| first.write(session), None)?;
-        wire.ride(PLACEHOLDER.as_bytes().to_vec(), unit.messages, unit.parses);
-        let mut shared: &AsyncPgConnection = self.conn();
-        let ran = shared.batch_execute(PLACEHOLDER).await;
-        let rows = wire.unride();
-        ran?;
-        first.read(captured(rows, 0)?)
     }
 }
