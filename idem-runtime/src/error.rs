@@ -60,13 +60,16 @@ pub enum Error {
     /// The body ended idem's transaction itself, or began another: a
     /// `COMMIT`, `ROLLBACK`, `BEGIN` or `PREPARE TRANSACTION` of its own (use
     /// `conn.transaction(..)`, a savepoint, instead), or a statement whose
-    /// failure ends the transaction on the server. Not replayed: what it had
-    /// written before was committed when `committed` is true (the attempt's
-    /// atomicity is gone, and a replay would write it again), and nothing
-    /// after it was. A bug in the body (500).
-    #[error("the body ended idem's transaction itself (a COMMIT, ROLLBACK, BEGIN or PREPARE TRANSACTION of its own, or a statement that ended it): {}; not replayed", if *committed { "what it had written before was committed" } else { "nothing was committed" })]
+    /// failure ends the transaction on the server. Not replayed: when
+    /// `committed` is true, some of what it wrote was committed (the
+    /// attempt's atomicity is gone, and a replay would write it again): what
+    /// it wrote before its own `COMMIT`, or a statement it ran after ending
+    /// the transaction, outside any (which commits on its own). A bug in the
+    /// body (500).
+    #[error("the body ended idem's transaction itself (a COMMIT, ROLLBACK, BEGIN or PREPARE TRANSACTION of its own, or a statement that ended it): {}; not replayed", if *committed { "some of what it wrote was committed" } else { "nothing was committed" })]
     TransactionEnded {
-        /// What the body had written before was committed (or prepared).
+        /// Some of what the body wrote was committed (or prepared): before
+        /// its own end of the transaction, or after it, outside any.
         committed: bool,
     },
     /// The body returned with a savepoint still open: a `conn.transaction(..)`

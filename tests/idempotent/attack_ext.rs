@@ -17,7 +17,7 @@ diesel::table! {
 }
 
 /// `SELECT count(*)` of the records of `key`.
-async fn records_of(env: &Env, key: &str) -> i64 {
+pub(super) async fn records_of(env: &Env, key: &str) -> i64 {
     env.client
         .query_one("SELECT count(*) FROM idem_requests WHERE key = $1", &[&key])
         .await

@@ -22,6 +22,7 @@ use tokio::sync::{Barrier, Semaphore};
 
 mod attack;
 mod attack_ext;
+mod attack_savepoint;
 mod attack_wire;
 mod closing;
 mod derived_keys;

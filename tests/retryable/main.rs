@@ -26,6 +26,7 @@ use idem_testing::TestDatabase;
 use scoped_futures::ScopedFutureExt;
 use tokio::sync::Barrier;
 
+mod attack_savepoint;
 mod budget;
 mod closure_form;
 mod connections;

@@ -68,7 +68,9 @@ pub(crate) struct Marks {
     /// `ReadyForQuery` with status idle: no transaction open.
     idles: u64,
     /// `COMMIT` (`AND CHAIN` too) and `PREPARE TRANSACTION` completed: a
-    /// transaction's writes kept, or handed to a two-phase commit.
+    /// transaction's writes kept, or handed to a two-phase commit; and
+    /// requests in which a statement ran outside a transaction block (after
+    /// a body's own `ROLLBACK`, say), which committed on its own.
     commits: u64,
     /// `BEGIN` and `START TRANSACTION` completed.
     begins: u64,
@@ -102,6 +104,13 @@ struct State {
     marks: Marks,
     /// The socket ended or failed.
     closed: bool,
+    /// Statements completing now run outside a transaction block, each in
+    /// a transaction of its own that commits: after an idle
+    /// `ReadyForQuery`, or a `COMMIT` or `ROLLBACK` in the same request.
+    outside: bool,
+    /// A statement completed outside a transaction block in the request
+    /// being answered (counted in [`Marks`] once it ends outside one).
+    autocommitted: bool,
     /// The refusal that made the transaction a failed one, until a rollback
     /// to a savepoint (status `T` again) or the next transaction undoes it.
     abort: Option<Refusal>,
@@ -282,6 +291,12 @@ impl Wire {
         }
     }
 
+    /// Whether the server last said a transaction block is open (status `T`
+    /// or `E`).
+    pub(crate) fn in_block(&self) -> bool {
+        matches!(self.state().status, b'T' | b'E')
+    }
+
     /// Wait up to `within` for every request sent to be answered (or the
     /// connection to end); false when one still runs then.
     pub(crate) async fn settled(&self, within: Duration) -> bool {
@@ -362,6 +377,13 @@ impl Wire {
         }
         state.status = status;
         state.marks.idles += u64::from(status == b'I');
+        // `ROLLBACK TO SAVEPOINT` has `ROLLBACK`'s tag: a statement after
+        // one counts only if the request ended outside a block (then one
+        // after a real end may have committed; at worst it was a read).
+        if std::mem::take(&mut state.autocommitted) && status == b'I' {
+            state.marks.commits += 1;
+        }
+        state.outside = status == b'I';
         drop(state);
         self.answered.notify_waiters();
     }
@@ -376,10 +398,19 @@ impl Wire {
             state.forget_prepared();
         }
         match tag {
-            b"ROLLBACK" => state.rollbacks += 1,
-            b"COMMIT" | b"PREPARE TRANSACTION" => state.marks.commits += 1,
-            b"BEGIN" | b"START TRANSACTION" => state.marks.begins += 1,
-            _ => {}
+            b"ROLLBACK" => {
+                state.rollbacks += 1;
+                state.outside = true;
+            }
+            b"COMMIT" | b"PREPARE TRANSACTION" => {
+                state.marks.commits += 1;
+                state.outside = true;
+            }
+            b"BEGIN" | b"START TRANSACTION" => {
+                state.marks.begins += 1;
+                state.outside = false;
+            }
+            _ => state.autocommitted |= state.outside,
         }
     }
 

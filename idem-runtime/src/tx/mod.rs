@@ -269,9 +269,9 @@ impl Tx {
                 self.open = false;
                 Err(CommitFailure::RolledBack(self.failure_cause()))
             }
-            // diesel-async still counts a transaction: the body left a
-            // savepoint open, and what went out was its `RELEASE`.
-            Ok(Ok(())) if PoolableConnection::is_broken(self.conn()) => {
+            // A transaction is still open: the body left a savepoint open,
+            // and what went out was its `RELEASE`.
+            Ok(Ok(())) if self.still_open() => {
                 tracing::error!("the body left a savepoint open: COMMIT was a RELEASE SAVEPOINT; closing the connection, nothing committed");
                 self.discard();
                 Err(CommitFailure::SavepointOpen)
@@ -295,6 +295,15 @@ impl Tx {
                 tracing::warn!(error = %err, "connection failed during COMMIT; outcome unknown");
                 self.discard();
                 Err(CommitFailure::Unknown)
+            }
+            // diesel-async still counts a transaction: what failed was the
+            // `RELEASE SAVEPOINT` of a savepoint the body left open (and
+            // then released or rolled back by hand), which leaves the
+            // transaction open, failed.
+            Ok(Err(err)) if PoolableConnection::is_broken(self.conn()) => {
+                tracing::error!(error = %err, "the body left a savepoint open: COMMIT was a RELEASE SAVEPOINT, which failed; closing the connection, nothing committed");
+                self.discard();
+                Err(CommitFailure::SavepointOpen)
             }
             Ok(Err(err)) => {
                 // A COMMIT answered with an error ends the transaction on the
@@ -329,7 +338,7 @@ impl Tx {
             // A savepoint the body left open made it a `ROLLBACK TO
             // SAVEPOINT`: the transaction, and its locks, would go back to
             // the pool. Closed instead, which rolls it back.
-            Ok(Ok(())) if PoolableConnection::is_broken(self.conn()) => {
+            Ok(Ok(())) if self.still_open() => {
                 tracing::warn!("the body left a savepoint open: ROLLBACK was to the savepoint; closing the connection");
                 self.discard();
                 false
@@ -407,6 +416,15 @@ impl Tx {
         };
         self.roll_back(timeout).await;
         Some(refusal)
+    }
+
+    /// After a `COMMIT` or `ROLLBACK` diesel-async answered `Ok`: whether a
+    /// transaction is still open, as diesel-async counts (a savepoint the
+    /// body left open made it a `RELEASE SAVEPOINT` or a `ROLLBACK TO
+    /// SAVEPOINT`) or as the server last said (a body that told
+    /// diesel-async's manager its transaction was a test transaction).
+    fn still_open(&mut self) -> bool {
+        self.wire().is_some_and(Wire::in_block) || PoolableConnection::is_broken(self.conn())
     }
 
     /// The refusal that failed the transaction, or the one of the request
