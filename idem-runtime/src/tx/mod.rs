@@ -474,7 +474,15 @@ impl Tx {
     /// Best effort: without a Tokio runtime, or when the server refuses a
     /// cancel request without TLS, the statement runs to its end.
     pub(crate) fn cancel_and_discard(&mut self) {
-        if let Some(conn) = self.conn.as_ref() {
+        // Behind a transaction pooler the cancel of a client that is closing
+        // is dropped anyway, and PgBouncer 1.18 (Debian 12) exits when a
+        // cancel it is forwarding meets that client's disconnect, taking
+        // every client down (seen in CI after a panicking body's
+        // transaction was dropped): none is sent there.
+        // `client_connection_check_interval` on the server ends the
+        // statement instead (see `Pooler`).
+        let pooled = self.wire().is_some_and(|w| !w.keeps_session_statements());
+        if let Some(conn) = self.conn.as_ref().filter(|_| !pooled) {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let token = conn.cancel_token();
                 runtime.spawn(async move {
@@ -484,11 +492,7 @@ impl Tx {
                 });
             }
         }
-        // Closed at once, not after the cancel: PgBouncer 1.18 (Debian 12)
-        // was seen to exit when a cancel it was forwarding met its client's
-        // disconnect, taking every client down. Behind it, the cancel of a
-        // closed client is dropped; `client_connection_check_interval` on
-        // the server is then what ends the statement (see `Pooler`).
+        // Closed at once, not after the cancel, which needs no answer.
         self.discard();
     }
 }
