@@ -293,6 +293,23 @@ async fn insert_item(conn: &mut AsyncPgConnection, id: i64) -> Result<usize, Die
         .await
 }
 
+/// Add 1 to counter 3, which row-locks it to the end of the transaction.
+async fn bump_counter_3_in(conn: &mut AsyncPgConnection) -> Result<usize, DieselError> {
+    diesel::sql_query("UPDATE counters SET n = n + 1 WHERE id = 3")
+        .execute(conn)
+        .await
+}
+
+/// What a hand-written version check that lost its race returns, having
+/// said so (`idem::attempt::lost_race`): a `Stale` the loop replays.
+fn lost_a_race() -> AppError {
+    idem::attempt::lost_race();
+    AppError::Versioned(VersionedError::Stale {
+        expected: 0,
+        actual: 1,
+    })
+}
+
 fn is_exhausted(result: &Result<impl std::fmt::Debug, AppError>, cause: RetryCause) -> bool {
     matches!(result, Err(AppError::Idem(idem::Error::Exhausted { last_cause, .. })) if *last_cause == cause)
 }

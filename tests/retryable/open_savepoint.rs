@@ -124,16 +124,10 @@ async fn lock_then_fail_with_a_savepoint_open(
     calls: &AtomicU32,
 ) -> Result<(), AppError> {
     let n = calls.fetch_add(1, Ordering::SeqCst);
-    diesel::sql_query("UPDATE counters SET n = n + 1 WHERE id = 3")
-        .execute(conn)
-        .await?;
+    bump_counter_3_in(conn).await?;
     if n == 0 {
         AnsiTransactionManager::begin_transaction(conn).await?;
-        idem::attempt::lost_race();
-        return Err(AppError::Versioned(VersionedError::Stale {
-            expected: 0,
-            actual: 1,
-        }));
+        return Err(lost_a_race());
     }
     Ok(())
 }

@@ -49,9 +49,7 @@ async fn open_then_by_hand(
     calls: &AtomicU32,
 ) -> Result<(), AppError> {
     calls.fetch_add(1, Ordering::SeqCst);
-    diesel::sql_query("UPDATE counters SET n = n + 1 WHERE id = 3")
-        .execute(conn)
-        .await?;
+    bump_counter_3_in(conn).await?;
     for level in 0..depth {
         AnsiTransactionManager::begin_transaction(conn).await?;
         insert_item(conn, id + i64::from(level)).await?;
@@ -67,9 +65,7 @@ async fn open_then_by_hand(
 #[retryable(max = 4, deadline_ms = 3000)]
 async fn bump_counter_3(conn: &mut AsyncPgConnection, calls: &AtomicU32) -> Result<(), AppError> {
     calls.fetch_add(1, Ordering::SeqCst);
-    diesel::sql_query("UPDATE counters SET n = n + 1 WHERE id = 3")
-        .execute(conn)
-        .await?;
+    bump_counter_3_in(conn).await?;
     Ok(())
 }
 
@@ -128,22 +124,8 @@ async fn attack_savepoints_two_and_three_deep_left_open() {
 #[tokio::test]
 async fn attack_open_savepoint_rolled_back_to_by_hand() {
     let env = warm_pool_of_two().await;
-    let calls = AtomicU32::new(0);
-    let result = open_then_by_hand(
-        &env.pool,
-        1100,
-        1,
-        "ROLLBACK TO SAVEPOINT diesel_savepoint_1",
-        &calls,
-    )
-    .await;
-    assert!(savepoint_open(&result), "{result:?}");
-    assert_eq!(count(&calls), 1);
-    assert_eq!(items_in(&env, "1100").await, 0);
-    assert_eq!(env.counter(3).await.0, 0);
-    no_session_left_in_a_transaction(&env, "rolled back to by hand").await;
-    lock_released(&env, "rolled back to by hand").await;
-    env.assert_pool_clean().await;
+    let by_hand = "ROLLBACK TO SAVEPOINT diesel_savepoint_1";
+    refused_whole_by_hand(&env, 1100, 1, by_hand, "1100", "rolled back to by hand").await;
 }
 
 /// The savepoint left open is released by hand, so diesel-async's
@@ -156,22 +138,8 @@ async fn attack_open_savepoint_rolled_back_to_by_hand() {
 #[tokio::test]
 async fn attack_open_savepoint_released_by_hand() {
     let env = warm_pool_of_two().await;
-    let calls = AtomicU32::new(0);
-    let result = open_then_by_hand(
-        &env.pool,
-        1200,
-        1,
-        "RELEASE SAVEPOINT diesel_savepoint_1",
-        &calls,
-    )
-    .await;
-    assert!(savepoint_open(&result), "{result:?}");
-    assert_eq!(count(&calls), 1);
-    assert_eq!(items_in(&env, "1200").await, 0);
-    assert_eq!(env.counter(3).await.0, 0);
-    no_session_left_in_a_transaction(&env, &format!("released by hand: {result:?}")).await;
-    lock_released(&env, "released by hand").await;
-    env.assert_pool_clean().await;
+    let by_hand = "RELEASE SAVEPOINT diesel_savepoint_1";
+    refused_whole_by_hand(&env, 1200, 1, by_hand, "1200", "released by hand").await;
 }
 
 /// Three deep, and the outermost of the body's savepoints released by hand
@@ -179,22 +147,32 @@ async fn attack_open_savepoint_released_by_hand() {
 #[tokio::test]
 async fn attack_three_deep_outermost_released_by_hand() {
     let env = warm_pool_of_two().await;
+    let by_hand = "RELEASE SAVEPOINT diesel_savepoint_1";
+    let ids = "1300, 1301, 1302";
+    refused_whole_by_hand(&env, 1300, 3, by_hand, ids, "three deep, released by hand").await;
+}
+
+/// [`open_then_by_hand`] (`depth` savepoints from item `id` on, then
+/// `by_hand`) answers `SavepointOpen` after one attempt: none of the items
+/// `ids` commits, nor its update of counter 3; no session is left in a
+/// transaction, the row lock is gone, and the pool is clean.
+async fn refused_whole_by_hand(
+    env: &Env,
+    id: i64,
+    depth: u32,
+    by_hand: &str,
+    ids: &str,
+    what: &str,
+) {
     let calls = AtomicU32::new(0);
-    let result = open_then_by_hand(
-        &env.pool,
-        1300,
-        3,
-        "RELEASE SAVEPOINT diesel_savepoint_1",
-        &calls,
-    )
-    .await;
-    assert!(savepoint_open(&result), "{result:?}");
-    assert_eq!(count(&calls), 1);
-    assert_eq!(items_in(&env, "1300, 1301, 1302").await, 0);
-    assert_eq!(env.counter(3).await.0, 0);
-    no_session_left_in_a_transaction(&env, &format!("three deep, released by hand: {result:?}"))
-        .await;
-    lock_released(&env, "three deep, released by hand").await;
+    let result = open_then_by_hand(&env.pool, id, depth, by_hand, &calls).await;
+    assert!(savepoint_open(&result), "{what}: {result:?}");
+    assert_eq!(count(&calls), 1, "{what}");
+    assert_eq!(items_in(env, ids).await, 0, "{what}");
+    assert_eq!(env.counter(3).await.0, 0, "{what}");
+    no_session_left_in_a_transaction(env, &format!("{what}: {result:?}")).await;
+    lock_released(env, what).await;
+    env.assert_pool_clean().await;
 }
 
 /// The same through the closure form, on a pool of one: the next call must

@@ -95,9 +95,7 @@ async fn statement_still_running_in_open_savepoint(
     calls: &AtomicU32,
 ) -> Result<(), AppError> {
     calls.fetch_add(1, Ordering::SeqCst);
-    diesel::sql_query("UPDATE counters SET n = n + 1 WHERE id = 3")
-        .execute(conn)
-        .await?;
+    bump_counter_3_in(conn).await?;
     insert_item(conn, 2000).await?;
     let _ = tokio::time::timeout(
         Duration::from_millis(30),
@@ -146,9 +144,7 @@ async fn serialization_failure_in_open_savepoint(
     calls: &AtomicU32,
 ) -> Result<(), AppError> {
     let n = calls.fetch_add(1, Ordering::SeqCst);
-    diesel::sql_query("UPDATE counters SET n = n + 1 WHERE id = 3")
-        .execute(conn)
-        .await?;
+    bump_counter_3_in(conn).await?;
     insert_item(conn, 2100).await?;
     if n == 0 {
         AnsiTransactionManager::begin_transaction(conn).await?;
@@ -227,11 +223,7 @@ async fn stale_with_open_savepoint(
                 .execute(conn)
                 .await?;
         }
-        idem::attempt::lost_race();
-        return Err(AppError::Versioned(VersionedError::Stale {
-            expected: 0,
-            actual: 1,
-        }));
+        return Err(lost_a_race());
     }
     Ok(())
 }
@@ -260,9 +252,7 @@ async fn own_error_with_open_savepoint(
     calls: &AtomicU32,
 ) -> Result<(), AppError> {
     calls.fetch_add(1, Ordering::SeqCst);
-    diesel::sql_query("UPDATE counters SET n = n + 1 WHERE id = 3")
-        .execute(conn)
-        .await?;
+    bump_counter_3_in(conn).await?;
     AnsiTransactionManager::begin_transaction(conn).await?;
     AnsiTransactionManager::begin_transaction(conn).await?;
     insert_item(conn, 2300).await?;
@@ -291,9 +281,7 @@ async fn attack_own_error_with_savepoints_open_leaves_no_lock() {
 /// transaction holding its lock.
 #[retryable(max = 4, deadline_ms = 5000)]
 async fn panics_midway(conn: &mut AsyncPgConnection, savepoint: bool) -> Result<(), AppError> {
-    diesel::sql_query("UPDATE counters SET n = n + 1 WHERE id = 3")
-        .execute(conn)
-        .await?;
+    bump_counter_3_in(conn).await?;
     insert_item(conn, 2400).await?;
     if savepoint {
         AnsiTransactionManager::begin_transaction(conn).await?;
@@ -334,9 +322,7 @@ async fn attack_body_panics_with_a_savepoint_open() {
 /// cancelled and the lock goes.
 #[retryable(max = 4, deadline_ms = 20000)]
 async fn sleeps_in_a_savepoint(conn: &mut AsyncPgConnection) -> Result<(), AppError> {
-    diesel::sql_query("UPDATE counters SET n = n + 1 WHERE id = 3")
-        .execute(conn)
-        .await?;
+    bump_counter_3_in(conn).await?;
     conn.transaction::<_, AppError, _>(async |c| {
         insert_item(c, 2500).await?;
         diesel::sql_query("SELECT pg_sleep(10)").execute(c).await?;
