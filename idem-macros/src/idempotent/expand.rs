@@ -226,8 +226,11 @@ pub(crate) fn idempotent(
     };
 
     // The #[retryable] attribute was consumed here, so its import would look
-    // unused; name it once.
-    let uses_retryable = retryable.map(|path| quote!(#[allow(unused_imports)] use #path as _;));
+    // unused; name it once. Spanned at the user's path: without the import,
+    // rustc's "unresolved import" points at their `#[retryable]`, not at
+    // this attribute.
+    let uses_retryable = retryable
+        .map(|path| quote_spanned!(path.span()=> #[allow(unused_imports)] use #path as _;));
 
     quote! {
         #(#attrs)*
