@@ -60,3 +60,53 @@ pub async fn settled_transactions(admin: &Client, name: &str) -> Result<i64, Har
     }
     Ok(last)
 }
+
+/// How many backends of `client`'s current database sit idle inside a
+/// transaction (`idle in transaction`, aborted or not): a connection handed
+/// back to a pool, or dropped on the floor, with a transaction still open,
+/// which keeps its row locks until something ends it.
+pub async fn idle_in_transaction(client: &Client) -> Result<i64, HarnessError> {
+    const IDLE: &str = "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'";
+    let row = client
+        .query_one(IDLE, &[])
+        .await
+        .map_err(|source| HarnessError::Statement {
+            statement: IDLE.to_owned(),
+            source,
+        })?;
+    Ok(row.get(0))
+}
+
+/// Waits, at most `within`, until no backend of `client`'s current database
+/// is idle inside a transaction ([`idle_in_transaction`]). A connection
+/// that was closed takes a moment to lose its backend; one returned to a
+/// pool inside a transaction keeps it, and this times out saying how many.
+///
+/// ```no_run
+/// # async fn check(client: &tokio_postgres::Client) {
+/// use std::time::Duration;
+/// idem_testing::stats::no_session_idle_in_transaction(client, Duration::from_secs(3))
+///     .await
+///     .expect("no connection was left inside a transaction");
+/// # }
+/// ```
+pub async fn no_session_idle_in_transaction(
+    client: &Client,
+    within: Duration,
+) -> Result<(), HarnessError> {
+    let until = Instant::now() + within;
+    loop {
+        let left = idle_in_transaction(client).await?;
+        if left == 0 {
+            return Ok(());
+        }
+        if Instant::now() >= until {
+            return Err(HarnessError::Timeout {
+                action: format!("waiting for {left} session(s) idle in a transaction to end"),
+                after: within,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

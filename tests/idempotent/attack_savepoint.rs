@@ -11,23 +11,9 @@ use diesel_async::{AnsiTransactionManager, TransactionManager};
 
 /// No backend of the test's database stays idle inside a transaction.
 async fn no_session_left_in_a_transaction(env: &Env, what: &str) {
-    let until = Instant::now() + Duration::from_secs(3);
-    loop {
-        let left = env
-            .scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND state LIKE 'idle in transaction%'",
-            )
-            .await;
-        if left == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < until,
-            "{what}: {left} session(s) left idle in a transaction after the call"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    idem_testing::stats::no_session_idle_in_transaction(&env.client, Duration::from_secs(3))
+        .await
+        .unwrap_or_else(|e| panic!("{what}: after the call, {e}"));
 }
 
 /// Local mode: writes an effect, then opens `depth` savepoints (an effect

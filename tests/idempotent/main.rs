@@ -20,6 +20,9 @@ use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, Semaphore};
 
+#[path = "../support/pool.rs"]
+mod test_pool;
+
 mod attack;
 mod attack_ext;
 mod attack_savepoint;
@@ -121,24 +124,7 @@ async fn env(pool_size: usize) -> Env {
 
 /// The code under test's pool: through PgBouncer under `IDEM_TEST_VIA=pgbouncer`.
 fn pool_of(db: &TestDatabase, size: usize) -> Pool {
-    build_pool_with(
-        db.pool_url(),
-        &PoolConfig {
-            max_size: size,
-            wait_timeout: Duration::from_secs(60),
-            pooler: pooler(db),
-            ..PoolConfig::default()
-        },
-    )
-    .expect("build the pool")
-}
-
-fn pooler(db: &TestDatabase) -> Pooler {
-    if db.via().is_transaction_pooling() {
-        Pooler::TransactionPooling
-    } else {
-        Pooler::Direct
-    }
+    test_pool::test_pool(db, size, Duration::from_secs(60))
 }
 
 async fn side_connection(url: &str) -> tokio_postgres::Client {

@@ -28,11 +28,13 @@ use std::time::{Duration, Instant};
 
 use diesel::result::Error as DieselError;
 use diesel_async::AsyncPgConnection;
-use idem::pool::{build_pool_with, PoolConfig, Pooler};
 use idem::retry::retry;
 use idem::{Isolation, Pool, RetryCause, RetryPolicy, Versioned, VersionedChanges, VersionedError};
 use idem_testing::TestDatabase;
 use scoped_futures::ScopedFutureExt;
+
+#[path = "../support/pool.rs"]
+mod test_pool;
 
 mod by_hand;
 mod classes;
@@ -132,20 +134,7 @@ impl Env {
             .batch_execute(SCHEMA)
             .await
             .expect("create the schema");
-        let pool = build_pool_with(
-            db.pool_url(),
-            &PoolConfig {
-                max_size: 4,
-                wait_timeout: Duration::from_secs(10),
-                pooler: if db.via().is_transaction_pooling() {
-                    Pooler::TransactionPooling
-                } else {
-                    Pooler::Direct
-                },
-                ..PoolConfig::default()
-            },
-        )
-        .expect("build the pool");
+        let pool = test_pool::test_pool(&db, 4, Duration::from_secs(10));
         Env { pool, client, db }
     }
 

@@ -15,7 +15,7 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::attempt::current_attempt;
-use idem::pool::{build_pool_with, PoolConfig, Pooler};
+use idem::pool::{build_pool_with, PoolConfig};
 use idem::retry::retry;
 use idem::Transient;
 use idem::{
@@ -25,6 +25,9 @@ use idem::{
 use idem_testing::TestDatabase;
 use scoped_futures::ScopedFutureExt;
 use tokio::sync::Barrier;
+
+#[path = "../support/pool.rs"]
+mod test_pool;
 
 mod attack_savepoint;
 mod budget;
@@ -113,20 +116,7 @@ async fn env(pool_size: usize) -> Env {
         .await
         .expect("create the schema");
     // The code under test's pool: through PgBouncer under IDEM_TEST_VIA=pgbouncer.
-    let pool = build_pool_with(
-        db.pool_url(),
-        &PoolConfig {
-            max_size: pool_size,
-            wait_timeout: Duration::from_secs(10),
-            pooler: if db.via().is_transaction_pooling() {
-                Pooler::TransactionPooling
-            } else {
-                Pooler::Direct
-            },
-            ..PoolConfig::default()
-        },
-    )
-    .expect("build the pool");
+    let pool = test_pool::test_pool(&db, pool_size, Duration::from_secs(10));
     Env { client, pool, db }
 }
 
@@ -210,11 +200,9 @@ impl Env {
 
     /// The backends of this database that sit idle inside a transaction.
     async fn idle_in_transaction(&self) -> i64 {
-        self.scalar_i64(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND state LIKE 'idle in transaction%'",
-        )
-        .await
+        idem_testing::stats::idle_in_transaction(&self.client)
+            .await
+            .expect("count the sessions idle in a transaction")
     }
 
     /// A pooled connection works, is not inside a transaction, and nothing

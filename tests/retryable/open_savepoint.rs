@@ -156,12 +156,6 @@ async fn a_failed_attempt_with_a_savepoint_open_leaves_no_transaction_behind() {
         1,
         "the first attempt's update rolled back"
     );
-    let idle_in_transaction = env
-        .scalar_i64(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND state LIKE 'idle in transaction%'",
-        )
-        .await;
-    assert_eq!(idle_in_transaction, 0);
+    assert_eq!(env.idle_in_transaction().await, 0);
     env.assert_pool_clean().await;
 }

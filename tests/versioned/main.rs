@@ -14,6 +14,9 @@ use idem::{Versioned, VersionedChanges, VersionedError};
 use serde_json::json;
 use tokio::sync::Barrier;
 
+#[path = "../support/pool.rs"]
+mod test_pool;
+
 mod create_once;
 mod duplicates;
 mod identity;

@@ -19,18 +19,9 @@ async fn items_in(env: &Env, ids: &str) -> i64 {
 /// closed connection's backend goes within moments, one returned to the
 /// pool in a transaction stays.
 async fn no_session_left_in_a_transaction(env: &Env, what: &str) {
-    let until = Instant::now() + Duration::from_secs(3);
-    loop {
-        let left = env.idle_in_transaction().await;
-        if left == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < until,
-            "{what}: {left} session(s) left idle in a transaction after the call"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    idem_testing::stats::no_session_idle_in_transaction(&env.client, Duration::from_secs(3))
+        .await
+        .unwrap_or_else(|e| panic!("{what}: after the call, {e}"));
 }
 
 fn savepoint_open(result: &Result<(), AppError>) -> bool {

@@ -9,7 +9,6 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem::http::HttpStatus;
-use idem::pool::{build_pool_with, PoolConfig, Pooler};
 use idem::retry::retry;
 use idem::{
     idempotent, retryable, CreateOnceError, Creation, Isolation, Pool, RetryPolicy, Versioned,
@@ -130,20 +129,7 @@ async fn env(size: usize) -> Env {
     let mut conn = AsyncPgConnection::establish(db.url()).await.unwrap();
     conn.batch_execute(SCHEMA).await.unwrap();
     idem::migrate(&mut conn).await.unwrap();
-    let pool = build_pool_with(
-        db.pool_url(),
-        &PoolConfig {
-            max_size: size,
-            wait_timeout: Duration::from_secs(10),
-            pooler: if db.via().is_transaction_pooling() {
-                Pooler::TransactionPooling
-            } else {
-                Pooler::Direct
-            },
-            ..PoolConfig::default()
-        },
-    )
-    .unwrap();
+    let pool = crate::test_pool::test_pool(&db, size, Duration::from_secs(10));
     Env { db, pool }
 }
 
