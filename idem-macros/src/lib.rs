@@ -5,6 +5,7 @@
 //! tokens into a typed description (keeping the user's tokens for spans),
 //! reporting every mistake at once; `expand` only reads that description.
 
+mod attrs;
 mod errors;
 mod idempotent;
 mod retryable;

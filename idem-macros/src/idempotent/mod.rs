@@ -7,12 +7,8 @@ pub(crate) mod parse;
 use proc_macro2::TokenStream;
 use quote::ToTokens;
 
+use crate::attrs::is_attr;
 use crate::retryable;
-
-/// Whether `attr` is `#[retryable(..)]` (by any path ending in `retryable`).
-pub(crate) fn is_attr(attr: &syn::Attribute, name: &str) -> bool {
-    attr.path().segments.last().is_some_and(|s| s.ident == name)
-}
 
 pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let mut func: syn::ItemFn = match syn::parse2(item.clone()) {

@@ -20,7 +20,7 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
     if let Some(i) = func
         .attrs
         .iter()
-        .position(|a| crate::idempotent::is_attr(a, "idempotent"))
+        .position(|a| crate::attrs::is_attr(a, "idempotent"))
     {
         let mut func = func;
         let inner = func.attrs.remove(i);

@@ -44,7 +44,9 @@ pub(crate) fn conjunction(predicates: &[(TokenStream, TokenStream)]) -> TokenStr
     }
 }
 
-pub(crate) fn model(model: &Model) -> TokenStream {
+/// The model's impls; `once` (the create-once impl, from `once.rs`) goes
+/// into the same block, under the same trait imports.
+pub(crate) fn model(model: &Model, once: TokenStream) -> TokenStream {
     let ident = &model.ident;
     let table = &model.table;
     let version = model.field(model.version);
@@ -217,7 +219,6 @@ pub(crate) fn model(model: &Model) -> TokenStream {
             let col = column(table, f);
             quote!(impl ::idem::__private::Assignable<#ident> for #col {})
         });
-    let once = super::once::expand(model);
     quote! {
         const _: () = {
             use ::idem::__private::diesel::{BoolExpressionMethods as _, ExpressionMethods as _, OptionalExtension as _, QueryDsl as _, SelectableHelper as _};

@@ -28,7 +28,7 @@ pub(crate) fn derive_model(input: TokenStream) -> TokenStream {
     }
     let ident = parsed.ident.clone();
     match roles.into_model(parsed) {
-        Some(model) => expand::model(&model),
+        Some(model) => expand::model(&model, once::expand(&model)),
         // Validation reports every role it cannot resolve; this is a bug of idem.
         None => to_compile_errors(syn::Error::new_spanned(
             ident,
