@@ -10,7 +10,6 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::local::{Completing, LockAndRead};
 use super::store::{Claim, ClaimOrRead, Identity, Outcome, Read, State};
 use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode, MAX_STORED_DEPTH,
@@ -176,25 +175,6 @@ impl Request {
         .await
         .optional()?;
         Ok(Claimed::Found(stored.map_or(Found::New, |s| self.judge(s))))
-    }
-
-    /// Local mode's first statements: queue behind any duplicate in flight
-    /// (the advisory lock of this scope and key, held to the end of the
-    /// transaction), then read the record. See [`LockAndRead`].
-    pub(crate) fn lock_and_read(&self) -> LockAndRead<'_> {
-        LockAndRead::new(self)
-    }
-
-    /// Local mode's last statement: the completed record (the request's one
-    /// write), sent with `COMMIT`. See [`Completing`].
-    pub(crate) fn complete<'a>(
-        &'a self,
-        outcome: Outcome,
-        response: &'a serde_json::Value,
-        takeover: bool,
-        returning: bool,
-    ) -> Completing<'a> {
-        Completing::new(self, outcome, response, takeover, returning)
     }
 
     /// The operation the record is made for.

@@ -27,6 +27,7 @@ use scoped_futures::ScopedFutureExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use super::local::{Completing, LockAndRead};
 use super::request::{Claimed, Found, Request};
 use super::store::{self, Outcome, Record};
 use super::{Idempotent, IdempotentError};
@@ -167,7 +168,7 @@ impl<E> Call<E> {
         if !external {
             // Local: queue behind a duplicate in flight, then read, both sent
             // with the attempt's BEGIN.
-            let stored = match attempt.open_with(&self.request.lock_and_read()).await {
+            let stored = match attempt.open_with(&LockAndRead::new(&self.request)).await {
                 Ok(Ok(stored)) => stored,
                 // Prepared again by the next attempt.
                 Ok(Err(_)) if attempt.statement_lost() => {
@@ -357,9 +358,13 @@ impl<E> Call<E> {
     where
         E: IdempotentError,
     {
-        let last = self
-            .request
-            .complete(outcome, response, self.takeover, self.caching());
+        let last = Completing::new(
+            &self.request,
+            outcome,
+            response,
+            self.takeover,
+            self.caching(),
+        );
         match attempt.commit_with(&last).await {
             Ok(stored) => Ok((Step::Committed(Ok(())), self.kept(outcome, stored))),
             Err(Closing::Failed(e)) if store::record_taken(&e) => {
