@@ -7,8 +7,8 @@ use idem_runtime::outbox::RelayTiming;
 use serde_json::json;
 
 use crate::args::{Cli, DoctorArgs};
+use crate::context::{pool, Result};
 use crate::output::{clean, emit};
-use crate::run::{pool, Result};
 
 /// `idem doctor`.
 pub async fn doctor(cli: &Cli, d: &DoctorArgs) -> Result<u8> {

@@ -6,8 +6,8 @@ use idem_runtime::pool::Pool;
 use serde_json::json;
 
 use crate::args::{Cli, KeyArgs};
+use crate::context::Result;
 use crate::output::{clean, dur, emit, fields, opt_dur};
-use crate::run::Result;
 
 /// `idem key show`.
 pub async fn show(cli: &Cli, pool: &Pool, key: &KeyArgs, show_response: bool) -> Result<u8> {

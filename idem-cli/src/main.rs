@@ -6,6 +6,7 @@
 //! (the database unreachable, a bad URL; one line on stderr); 2 a usage error.
 
 mod args;
+mod context;
 mod doctor;
 mod key;
 mod output;

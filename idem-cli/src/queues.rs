@@ -5,8 +5,8 @@ use idem_runtime::operate;
 use serde_json::json;
 
 use crate::args::{Cli, InboxCmd, JobsCmd, OutboxCmd};
+use crate::context::{page, pool, Result};
 use crate::output::{dur, emit, fields, opt_dur, short, table};
-use crate::run::{page, pool, Result};
 
 pub async fn outbox(cli: &Cli, cmd: &OutboxCmd) -> Result<u8> {
     let pool = pool(cli)?;

@@ -1,36 +1,12 @@
 //! Each command: call the operator API, print, pick the exit code.
 
-use std::error::Error as StdError;
-
-use idem_runtime::operate::{self, Page};
-use idem_runtime::pool::{build_pool_with, Pool, PoolConfig};
+use idem_runtime::operate;
 use serde_json::json;
 
-use crate::args::{Cli, Command, KeyCmd, MigrateAction, PageArgs};
+use crate::args::{Cli, Command, KeyCmd, MigrateAction};
+use crate::context::{pool, Result};
 use crate::output::{dur, emit, fields, table, write_out};
 use crate::{doctor, key, queues};
-
-pub type Result<T> = std::result::Result<T, Box<dyn StdError>>;
-
-pub fn page(p: &PageArgs) -> Page {
-    Page {
-        limit: p.limit,
-        offset: p.offset,
-    }
-}
-
-pub fn pool(cli: &Cli) -> Result<Pool> {
-    let url = cli
-        .database_url
-        .as_deref()
-        .filter(|u| !u.is_empty())
-        .ok_or("no database: give --database-url or set DATABASE_URL")?;
-    let config = PoolConfig {
-        max_size: 2,
-        ..PoolConfig::default()
-    };
-    Ok(build_pool_with(url, &config)?)
-}
 
 pub async fn run(cli: &Cli) -> Result<u8> {
     match &cli.command {
