@@ -16,7 +16,7 @@
 //! and re-insert without the backstop), nor to the table's name (which two
 //! schemas share):
 //!
-//! - the table is named by its oid, `E'<table sql>'::regclass`, resolved by
+//! - the table is named by its oid, `'<table sql>'::regclass`, resolved by
 //!   the transition's own statement under its `search_path` (a constant
 //!   folded when the statement is planned; PostgreSQL plans a prepared
 //!   statement again when the `search_path` changes);
@@ -38,6 +38,8 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{BigInt, Bool, Text};
 use diesel::{QueryResult, QuerySource};
 
+use crate::sql::quote_literal;
+
 /// What one applied transition records: the model's table (as the regclass
 /// literal its statements resolve), the version the transition wrote, and
 /// the edge it took (as the states' texts). Made by `Transition::execute`,
@@ -45,7 +47,7 @@ use diesel::{QueryResult, QuerySource};
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct TransitionRecord {
-    /// `E'<table sql>'::regclass`.
+    /// `'<table sql>'::regclass`.
     table: String,
     pub(super) version: i64,
     pub(super) from: &'static str,
@@ -88,11 +90,10 @@ impl TransitionRecord {
     }
 }
 
-/// `E'..'::regclass` for a table as diesel writes it: an escape string, so
-/// that it reads the same whatever `standard_conforming_strings` says.
+/// `'..'::regclass` for a table as diesel writes it, quoted so that it
+/// reads the same whatever `standard_conforming_strings` says.
 fn regclass_literal(table_sql: &str) -> String {
-    let escaped = table_sql.replace('\\', "\\\\").replace('\'', "''");
-    format!("E'{escaped}'::regclass")
+    format!("{}::regclass", quote_literal(table_sql))
 }
 
 /// `xid` (SQL, 32 bits) as the full transaction id (64 bits, with its
@@ -298,8 +299,8 @@ mod tests {
     use super::regclass_literal;
 
     #[test]
-    fn the_table_is_an_escape_string() {
-        assert_eq!(regclass_literal("\"orders\""), "E'\"orders\"'::regclass");
+    fn the_table_is_a_quoted_literal() {
+        assert_eq!(regclass_literal("\"orders\""), "'\"orders\"'::regclass");
         assert_eq!(
             regclass_literal("\"app\".\"o'd\\rs\""),
             "E'\"app\".\"o''d\\\\rs\"'::regclass"
