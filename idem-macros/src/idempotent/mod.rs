@@ -30,6 +30,19 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         out.extend(func.into_token_stream());
         return out;
     }
+    // Below #[retryable] under another name (`use idem::idempotent as
+    // once;`): #[retryable] finds it only by a path ending in `idempotent`,
+    // so it ran first and left this attribute on its output, whose first
+    // parameter is the pool it takes. Said once; its output goes on as it is.
+    if crate::attrs::takes_idem_pool(&func) {
+        let mut out = syn::Error::new(
+            proc_macro2::Span::call_site(),
+            "this #[idempotent] sits below #[retryable] under another name, and #[retryable] finds it only by a path ending in `idempotent`: write it as `#[idempotent(..)]` or `#[idem::idempotent(..)]`, so that #[retryable] lets it run first and the two make one loop",
+        )
+        .to_compile_error();
+        out.extend(func.into_token_stream());
+        return out;
+    }
     // A #[retryable] below this attribute has not run yet: its settings
     // become the policy of the loop generated here.
     let retry_attr = func

@@ -41,7 +41,7 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
     // so it ran with one attempt and left this attribute on its output, whose
     // first parameter is the pool it takes. Said once, here, rather than as
     // errors about that pool; its output goes on as it is.
-    if made_by_idempotent(&func) {
+    if crate::attrs::takes_idem_pool(&func) {
         let mut out = syn::Error::new(
             proc_macro2::Span::call_site(),
             "this #[retryable] sits below #[idempotent] under another name, and #[idempotent] finds it only by a path ending in `retryable`: write it as `#[retryable(..)]` or `#[idem::retryable(..)]`, so that #[idempotent] runs its loop with these settings",
@@ -63,27 +63,6 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
         Ok(parsed) => expand::retryable(&parsed),
         Err(err) => with_fallback(err, &func),
     }
-}
-
-/// Whether `func` is #[idempotent]'s output: its first parameter is the
-/// `&::idem::Pool` that #[idempotent] writes in place of the connection.
-fn made_by_idempotent(func: &syn::ItemFn) -> bool {
-    let Some(syn::FnArg::Typed(first)) = func.sig.inputs.first() else {
-        return false;
-    };
-    let syn::Type::Reference(reference) = &*first.ty else {
-        return false;
-    };
-    let syn::Type::Path(path) = &*reference.elem else {
-        return false;
-    };
-    let segments: Vec<String> = path
-        .path
-        .segments
-        .iter()
-        .map(|s| s.ident.to_string())
-        .collect();
-    path.qself.is_none() && path.path.leading_colon.is_some() && segments == ["idem", "Pool"]
 }
 
 /// The error, beside what keeps one mistake from becoming many: when only
