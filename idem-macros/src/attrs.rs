@@ -7,21 +7,39 @@ pub(crate) fn is_attr(attr: &syn::Attribute, name: &str) -> bool {
     attr.path().segments.last().is_some_and(|s| s.ident == name)
 }
 
-/// Whether `func` is the output of #[idempotent] or #[retryable]: its first
-/// parameter is the `&::idem::Pool` that each writes in place of the
-/// connection, and its body uses their `__idem_` names. Either finds the
-/// other only by name; under another name (`use idem::retryable as
-/// retry;`) the other expands first, and the one that runs second meets
-/// this.
-pub(crate) fn takes_idem_pool(func: &syn::ItemFn) -> bool {
+/// Which of idem's function attributes already expanded `func`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Maker {
+    Idempotent,
+    Retryable,
+}
+
+impl Maker {
+    /// The attribute as a user writes it.
+    pub(crate) fn attr(self) -> &'static str {
+        match self {
+            Maker::Idempotent => "#[idempotent]",
+            Maker::Retryable => "#[retryable]",
+        }
+    }
+}
+
+/// Whether `func` is the output of #[idempotent] or #[retryable], and of
+/// which: its first parameter is the `&::idem::Pool` that each writes in
+/// place of the connection, and its body uses their `__idem_` names
+/// (`__idem_request` only #[idempotent]'s). Either finds the other only by
+/// name; under another name (`use idem::retryable as retry;`) the other
+/// expands first, and the one that runs second meets this, as does an
+/// attribute written twice.
+pub(crate) fn made_by(func: &syn::ItemFn) -> Option<Maker> {
     let Some(syn::FnArg::Typed(first)) = func.sig.inputs.first() else {
-        return false;
+        return None;
     };
     let syn::Type::Reference(reference) = &*first.ty else {
-        return false;
+        return None;
     };
     let syn::Type::Path(path) = &*reference.elem else {
-        return false;
+        return None;
     };
     let segments: Vec<String> = path
         .path
@@ -29,16 +47,54 @@ pub(crate) fn takes_idem_pool(func: &syn::ItemFn) -> bool {
         .iter()
         .map(|s| s.ident.to_string())
         .collect();
-    path.qself.is_none()
-        && path.path.leading_colon.is_some()
-        && segments == ["idem", "Pool"]
-        && uses_idem_names(quote::ToTokens::to_token_stream(&func.block))
+    if path.qself.is_some() || path.path.leading_colon.is_none() || segments != ["idem", "Pool"] {
+        return None;
+    }
+    let mut names = Vec::new();
+    idem_names(quote::ToTokens::to_token_stream(&func.block), &mut names);
+    if names.iter().any(|n| n == "__idem_request") {
+        Some(Maker::Idempotent)
+    } else if !names.is_empty() {
+        Some(Maker::Retryable)
+    } else {
+        None
+    }
 }
 
-fn uses_idem_names(tokens: proc_macro2::TokenStream) -> bool {
-    tokens.into_iter().any(|token| match token {
-        proc_macro2::TokenTree::Ident(ident) => ident.to_string().starts_with("__idem_"),
-        proc_macro2::TokenTree::Group(group) => uses_idem_names(group.stream()),
-        _ => false,
-    })
+fn idem_names(tokens: proc_macro2::TokenStream, names: &mut Vec<String>) {
+    for token in tokens {
+        match token {
+            proc_macro2::TokenTree::Ident(ident) => {
+                let name = ident.to_string();
+                if name.starts_with("__idem_") {
+                    names.push(name);
+                }
+            }
+            proc_macro2::TokenTree::Group(group) => idem_names(group.stream(), names),
+            _ => {}
+        }
+    }
+}
+
+/// The error for an attribute (`this`) that meets a function `maker`
+/// already expanded: written twice, or below the other under a name the
+/// other does not know.
+pub(crate) fn already_expanded(this: Maker, maker: Maker) -> syn::Error {
+    let message = if this == maker {
+        format!(
+            "{} is written twice on this function (or once more under another name): one is enough",
+            this.attr()
+        )
+    } else {
+        let name = match this {
+            Maker::Idempotent => "idempotent",
+            Maker::Retryable => "retryable",
+        };
+        format!(
+            "this {this} sits below {maker} under another name, and {maker} finds it only by a path ending in `{name}`: write it as `#[{name}(..)]` or `#[idem::{name}(..)]`, so that the two make one loop",
+            this = this.attr(),
+            maker = maker.attr(),
+        )
+    };
+    syn::Error::new(proc_macro2::Span::call_site(), message)
 }

@@ -7,7 +7,7 @@ pub(crate) mod parse;
 use proc_macro2::TokenStream;
 use quote::ToTokens;
 
-use crate::attrs::is_attr;
+use crate::attrs::{is_attr, Maker};
 use crate::retryable;
 
 pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
@@ -30,16 +30,12 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         out.extend(func.into_token_stream());
         return out;
     }
-    // Below #[retryable] under another name (`use idem::idempotent as
-    // once;`): #[retryable] finds it only by a path ending in `idempotent`,
-    // so it ran first and left this attribute on its output, whose first
-    // parameter is the pool it takes. Said once; its output goes on as it is.
-    if crate::attrs::takes_idem_pool(&func) {
-        let mut out = syn::Error::new(
-            proc_macro2::Span::call_site(),
-            "this #[idempotent] sits below #[retryable] under another name, and #[retryable] finds it only by a path ending in `idempotent`: write it as `#[idempotent(..)]` or `#[idem::idempotent(..)]`, so that #[retryable] lets it run first and the two make one loop",
-        )
-        .to_compile_error();
+    // Already expanded: below #[retryable] under another name (`use
+    // idem::idempotent as once;`), which #[retryable] finds only by a path
+    // ending in `idempotent`, or written twice. Said once; that output goes
+    // on as it is.
+    if let Some(maker) = crate::attrs::made_by(&func) {
+        let mut out = crate::attrs::already_expanded(Maker::Idempotent, maker).to_compile_error();
         out.extend(func.into_token_stream());
         return out;
     }

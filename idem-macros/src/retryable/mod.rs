@@ -6,6 +6,8 @@ pub(crate) mod parse;
 use proc_macro2::TokenStream;
 use quote::ToTokens;
 
+use crate::attrs::Maker;
+
 pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
     let func: syn::ItemFn = match syn::parse2(item.clone()) {
         Ok(func) => func,
@@ -36,17 +38,13 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
             #func
         };
     }
-    // Below #[idempotent] under another name (`use idem::retryable as
-    // retry;`): #[idempotent] finds it only by a path ending in `retryable`,
-    // so it ran with one attempt and left this attribute on its output, whose
-    // first parameter is the pool it takes. Said once, here, rather than as
-    // errors about that pool; its output goes on as it is.
-    if crate::attrs::takes_idem_pool(&func) {
-        let mut out = syn::Error::new(
-            proc_macro2::Span::call_site(),
-            "this #[retryable] sits below #[idempotent] under another name, and #[idempotent] finds it only by a path ending in `retryable`: write it as `#[retryable(..)]` or `#[idem::retryable(..)]`, so that #[idempotent] runs its loop with these settings",
-        )
-        .to_compile_error();
+    // Already expanded: below #[idempotent] under another name (`use
+    // idem::retryable as retry;`), which #[idempotent] finds only by a path
+    // ending in `retryable`, or written twice. Said once, here, rather than
+    // as errors about the pool parameter of that output, which goes on as
+    // it is.
+    if let Some(maker) = crate::attrs::made_by(&func) {
+        let mut out = crate::attrs::already_expanded(Maker::Retryable, maker).to_compile_error();
         out.extend(func.into_token_stream());
         return out;
     }
