@@ -194,6 +194,9 @@ impl Retryable {
         }
 
         let mut conn: Option<(usize, Ident)> = None;
+        // The missing connection was reported at the first parameter: the
+        // rest are read as the arguments they are, not reported again.
+        let mut no_conn = false;
         let mut replayed = Vec::new();
         for (index, input) in sig.inputs.iter().enumerate() {
             match input {
@@ -212,7 +215,7 @@ impl Retryable {
                             continue;
                         }
                     };
-                    if conn.is_none() {
+                    if conn.is_none() && !no_conn {
                         if is_connection(&arg.ty) {
                             conn = Some((index, ident));
                         } else {
@@ -234,6 +237,7 @@ impl Retryable {
                             if later.is_some() {
                                 break;
                             }
+                            no_conn = true;
                         }
                         continue;
                     }

@@ -90,3 +90,39 @@ fn a_broken_attribute_reports_every_mistake_and_keeps_the_fn() {
     );
     assert_eq!(fns, ["transfer"]);
 }
+
+/// A function #[retryable] or #[idempotent] already expanded is told by its
+/// `&::idem::Pool` and the macro's own names; a user's own `&::idem::Pool`
+/// parameter is not mistaken for one (it gets the connection error).
+#[test]
+fn an_expanded_function_is_told_by_its_maker() {
+    use crate::attrs::{made_by, Maker};
+    let written = quote! {
+        async fn pay(conn: &mut AsyncPgConnection, cmd: &Cmd) -> Result<i64, AppError> {
+            Ok(cmd.amount)
+        }
+    };
+    let by_retryable: syn::ItemFn =
+        syn::parse2(retryable(quote!(max = 3), written.clone())).unwrap();
+    assert_eq!(made_by(&by_retryable), Some(Maker::Retryable));
+    let by_idempotent: syn::ItemFn = syn::parse2(crate::idempotent::idempotent(
+        quote!(key = cmd.key, scope = "s", fingerprint(cmd.amount)),
+        written.clone(),
+    ))
+    .unwrap();
+    assert_eq!(made_by(&by_idempotent), Some(Maker::Idempotent));
+    let own: syn::ItemFn = syn::parse2(quote! {
+        async fn pay(pool: &::idem::Pool, cmd: &Cmd) -> Result<i64, AppError> {
+            Ok(cmd.amount)
+        }
+    })
+    .unwrap();
+    assert_eq!(made_by(&own), None);
+    let (errors, _) = errors_and_fns(retryable(quote!(max = 3), quote!(#own)));
+    assert_eq!(errors.len(), 1);
+    assert!(
+        errors[0]
+            .starts_with("the first parameter of a #[retryable] fn is the attempt's connection"),
+        "{errors:?}"
+    );
+}
