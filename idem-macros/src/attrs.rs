@@ -25,16 +25,18 @@ impl Maker {
 }
 
 /// Whether `func` is the output of #[idempotent] or #[retryable], and of
-/// which: its first parameter is the `&::idem::Pool` that each writes in
+/// which: its first parameter (after `&self`) is the `&::idem::Pool` that each writes in
 /// place of the connection, and its body uses their `__idem_` names
 /// (`__idem_request` only #[idempotent]'s). Either finds the other only by
 /// name; under another name (`use idem::retryable as retry;`) the other
 /// expands first, and the one that runs second meets this, as does an
 /// attribute written twice.
 pub(crate) fn made_by(func: &syn::ItemFn) -> Option<Maker> {
-    let Some(syn::FnArg::Typed(first)) = func.sig.inputs.first() else {
-        return None;
-    };
+    // After `&self`, in a method.
+    let first = func.sig.inputs.iter().find_map(|input| match input {
+        syn::FnArg::Typed(arg) => Some(arg),
+        syn::FnArg::Receiver(_) => None,
+    })?;
     let syn::Type::Reference(reference) = &*first.ty else {
         return None;
     };

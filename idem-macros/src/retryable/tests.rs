@@ -126,3 +126,19 @@ fn an_expanded_function_is_told_by_its_maker() {
         "{errors:?}"
     );
 }
+
+/// The same for a method: the pool comes after `&self`.
+#[test]
+fn an_expanded_method_is_told_by_its_maker() {
+    use crate::attrs::{made_by, Maker};
+    let method: syn::ItemFn = syn::parse2(retryable(
+        quote!(max = 3),
+        quote! {
+            async fn pay(&self, conn: &mut AsyncPgConnection) -> Result<i64, AppError> {
+                Ok(1)
+            }
+        },
+    ))
+    .unwrap();
+    assert_eq!(made_by(&method), Some(Maker::Retryable));
+}
