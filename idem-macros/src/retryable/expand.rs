@@ -102,8 +102,17 @@ pub(crate) fn attempt_run_with(parsed: &Retryable, conn_value: TokenStream) -> T
         },
         FnArg::Receiver(_) => quote!(&mut ::idem::__private::diesel_async::AsyncPgConnection),
     };
+    // `mut conn` as the user wrote it (the pool parameter callers see drops
+    // it; the body's binding keeps it).
+    let mutability = match &parsed.func.sig.inputs[parsed.conn_index] {
+        FnArg::Typed(arg) => match &*arg.pat {
+            syn::Pat::Ident(p) => p.mutability,
+            _ => None,
+        },
+        FnArg::Receiver(_) => None,
+    };
     quote! {{
-        let #conn: #conn_ty = #conn_value;
+        let #mutability #conn: #conn_ty = #conn_value;
         #(#replays)*
         ::idem::__private::attempt_body::<#ret, _>(async move #body).await
     }}

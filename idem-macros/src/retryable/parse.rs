@@ -201,7 +201,12 @@ impl Retryable {
         for (index, input) in sig.inputs.iter().enumerate() {
             match input {
                 FnArg::Receiver(receiver) => {
-                    if receiver.reference.is_none() || receiver.mutability.is_some() {
+                    // `&self`, or the same written out: `self: &Self`.
+                    let shared = match &*receiver.ty {
+                        Type::Reference(r) => r.mutability.is_none(),
+                        _ => false,
+                    };
+                    if !shared || receiver.mutability.is_some() {
                         errors.push_at(receiver, "a #[retryable] method takes `&self`: its body is replayed on every attempt, so it cannot consume or mutate `self`");
                     }
                 }

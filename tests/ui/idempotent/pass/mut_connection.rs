@@ -1,0 +1,24 @@
+#![deny(warnings)]
+
+use diesel_async::AsyncPgConnection;
+use idem::{idempotent, retryable, Pool};
+
+include!("../app_error.rs");
+
+/// `mut conn`, reborrowed in the body, under both attributes: the binding
+/// keeps its `mut`.
+#[idempotent(key = key, scope = none, fingerprint(amount))]
+#[retryable(max = 3)]
+async fn keyed(mut conn: &mut AsyncPgConnection, key: &str, amount: i64) -> Result<i64, AppError> {
+    let again = &mut conn;
+    let _ = again;
+    Ok(amount)
+}
+
+async fn callers(pool: &Pool) -> Result<i64, AppError> {
+    Ok(keyed(pool, "k", 2).await?.value)
+}
+
+fn main() {
+    let _ = callers;
+}
