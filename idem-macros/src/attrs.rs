@@ -1,6 +1,8 @@
 //! Recognising idem's own attributes on an item, where `#[idempotent]` and
 //! `#[retryable]` each look for the other, and the output of the other.
 
+use proc_macro2::TokenStream;
+
 /// Whether `attr` is `#[name(..)]`, by any path ending in `name`
 /// (`retryable`, `idem::retryable`).
 pub(crate) fn is_attr(attr: &syn::Attribute, name: &str) -> bool {
@@ -99,4 +101,31 @@ pub(crate) fn already_expanded(this: Maker, maker: Maker) -> syn::Error {
         )
     };
     syn::Error::new(proc_macro2::Span::call_site(), message)
+}
+
+/// The first argument #[retryable] adds when it hands a function to the
+/// #[idempotent] below it (see `retryable/mod.rs`).
+const HANDED_OFF: &str = "__idem_handed_off";
+
+/// `args` of a #[retryable] with the mark of a hand-off, which it gets when
+/// it hands a function to #[idempotent] and writes itself again below.
+pub(crate) fn handed_off(args: TokenStream) -> TokenStream {
+    quote::quote!(__idem_handed_off, #args)
+}
+
+/// Whether `args` carry that mark, and `args` without it.
+pub(crate) fn strip_handed_off(args: TokenStream) -> (bool, TokenStream) {
+    let mut tokens = args.clone().into_iter();
+    match tokens.next() {
+        Some(proc_macro2::TokenTree::Ident(ident)) if ident == HANDED_OFF => {
+            // The comma after it, if any.
+            let rest: Vec<proc_macro2::TokenTree> = tokens.collect();
+            let rest = match rest.first() {
+                Some(proc_macro2::TokenTree::Punct(p)) if p.as_char() == ',' => &rest[1..],
+                _ => &rest[..],
+            };
+            (true, rest.iter().cloned().collect())
+        }
+        _ => (false, args),
+    }
 }

@@ -47,8 +47,9 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         .position(|a| is_attr(a, "retryable"))
         .map(|i| func.attrs.remove(i));
     let retry_args = match &retry_attr {
+        // Without the mark #[retryable] leaves when it hands over.
         Some(attr) => match &attr.meta {
-            syn::Meta::List(list) => list.tokens.clone(),
+            syn::Meta::List(list) => crate::attrs::strip_handed_off(list.tokens.clone()).1,
             _ => TokenStream::new(),
         },
         None => TokenStream::new(),

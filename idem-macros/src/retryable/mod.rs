@@ -17,12 +17,17 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
             return out;
         }
     };
+    // Handed off once already: an #[idempotent] still here is one rustc
+    // could not resolve (not imported), which would be handed the function
+    // again and again; expanded as it is, rustc names the missing import.
+    let (handed_off, args) = crate::attrs::strip_handed_off(args);
     // #[idempotent] below #[retryable]: let it run first, with this attribute
     // still on the function, so both orders of stacking mean the same thing.
     if let Some(i) = func
         .attrs
         .iter()
         .position(|a| crate::attrs::is_attr(a, "idempotent"))
+        .filter(|_| !handed_off)
     {
         let mut func = func;
         let inner = func.attrs.remove(i);
@@ -32,6 +37,7 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
         };
         // The user's own path, so their `use idem::idempotent` counts as used.
         let inner_path = inner.path();
+        let args = crate::attrs::handed_off(args);
         return quote::quote! {
             #[#inner_path(#inner_args)]
             #[::idem::retryable(#args)]
