@@ -27,14 +27,13 @@ impl Maker {
 }
 
 /// Whether `func` is the output of #[idempotent] or #[retryable], and of
-/// which: its first parameter (after `&self`) is the `&::idem::Pool` that each writes in
-/// place of the connection, and its body uses their `__idem_` names
-/// (`__idem_request` only #[idempotent]'s). Either finds the other only by
-/// name; under another name (`use idem::retryable as retry;`) the other
-/// expands first, and the one that runs second meets this, as does an
-/// attribute written twice.
+/// which: its first parameter (after `&self`) is the `&::idem::Pool` that
+/// each writes in place of the connection, and its body binds, at its top,
+/// the name each begins with (`__idem_request`, `__idem_loop`). Either
+/// finds the other only by name; under another name (`use idem::retryable
+/// as retry;`) the other expands first, and the one that runs second meets
+/// this, as does an attribute written twice.
 pub(crate) fn made_by(func: &syn::ItemFn) -> Option<Maker> {
-    // After `&self`, in a method.
     let first = func.sig.inputs.iter().find_map(|input| match input {
         syn::FnArg::Typed(arg) => Some(arg),
         syn::FnArg::Receiver(_) => None,
@@ -54,29 +53,28 @@ pub(crate) fn made_by(func: &syn::ItemFn) -> Option<Maker> {
     if path.qself.is_some() || path.path.leading_colon.is_none() || segments != ["idem", "Pool"] {
         return None;
     }
-    let mut names = Vec::new();
-    idem_names(quote::ToTokens::to_token_stream(&func.block), &mut names);
-    if names.iter().any(|n| n == "__idem_request") {
+    let bound: Vec<String> = func
+        .block
+        .stmts
+        .iter()
+        .filter_map(|stmt| match stmt {
+            syn::Stmt::Local(local) => match &local.pat {
+                syn::Pat::Ident(p) => Some(p.ident.to_string()),
+                syn::Pat::Type(t) => match &*t.pat {
+                    syn::Pat::Ident(p) => Some(p.ident.to_string()),
+                    _ => None,
+                },
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    if bound.iter().any(|n| n == "__idem_request") {
         Some(Maker::Idempotent)
-    } else if !names.is_empty() {
+    } else if bound.iter().any(|n| n == "__idem_loop") {
         Some(Maker::Retryable)
     } else {
         None
-    }
-}
-
-fn idem_names(tokens: proc_macro2::TokenStream, names: &mut Vec<String>) {
-    for token in tokens {
-        match token {
-            proc_macro2::TokenTree::Ident(ident) => {
-                let name = ident.to_string();
-                if name.starts_with("__idem_") {
-                    names.push(name);
-                }
-            }
-            proc_macro2::TokenTree::Group(group) => idem_names(group.stream(), names),
-            _ => {}
-        }
     }
 }
 

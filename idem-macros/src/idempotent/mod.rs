@@ -46,6 +46,32 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         .iter()
         .position(|a| is_attr(a, "retryable"))
         .map(|i| func.attrs.remove(i));
+    // A second #[retryable]: one error at it, and it is dropped, so the rest
+    // expands as with one.
+    let twice = func
+        .attrs
+        .iter()
+        .position(|a| is_attr(a, "retryable"))
+        .map(|i| {
+            let second = func.attrs.remove(i);
+            syn::Error::new_spanned(
+                &second,
+                "#[retryable] is written twice on this function: one is enough",
+            )
+            .to_compile_error()
+        });
+    let mut out = twice.unwrap_or_default();
+    out.extend(expand_checked(args, func, retry_attr));
+    out
+}
+
+/// The function with its #[retryable] (if any) taken off: checked, then
+/// expanded, or its errors beside a fallback.
+fn expand_checked(
+    args: TokenStream,
+    func: syn::ItemFn,
+    retry_attr: Option<syn::Attribute>,
+) -> TokenStream {
     let retry_args = match &retry_attr {
         // Without the mark #[retryable] leaves when it hands over.
         Some(attr) => match &attr.meta {
@@ -54,7 +80,12 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         },
         None => TokenStream::new(),
     };
-    let shape = retryable::parse::Retryable::from_tokens(retry_args, &func);
+    // The shape's errors name the attribute the user wrote.
+    let attr = match retry_attr {
+        Some(_) => "#[retryable]",
+        None => "#[idempotent]",
+    };
+    let shape = retryable::parse::Retryable::from_tokens_for(retry_args, &func, attr);
     let parsed = parse::Idempotent::from_tokens(args, &func);
     let (shape, parsed) = match (shape, parsed) {
         (Ok(shape), Ok(parsed)) => match check_connection(&shape, &parsed) {

@@ -143,20 +143,31 @@ fn lit_u64(expr: &Expr) -> Option<u64> {
 impl Idempotent {
     pub(crate) fn from_tokens(args: TokenStream, func: &ItemFn) -> syn::Result<Idempotent> {
         let mut errors = Errors::default();
-        let params: Vec<Ident> = func
+        // Each named parameter, and whether it is the connection (or the
+        // deferred handle). Where the connection is missing or out of place,
+        // #[retryable]'s check of the shape says so, once; here every other
+        // parameter is still one of the request's.
+        let params: Vec<(Ident, bool)> = func
             .sig
             .inputs
             .iter()
             .filter_map(|input| match input {
                 FnArg::Typed(arg) => match &*arg.pat {
-                    Pat::Ident(p) => Some(p.ident.clone()),
+                    Pat::Ident(p) => Some((
+                        p.ident.clone(),
+                        crate::retryable::parse::is_connection(&arg.ty),
+                    )),
                     _ => None,
                 },
                 FnArg::Receiver(_) => None,
             })
             .collect();
-        let conn = params.first().cloned();
-        let data_params: Vec<Ident> = params.iter().skip(1).cloned().collect();
+        let conn = params.iter().find(|(_, c)| *c).map(|(p, _)| p.clone());
+        let data_params: Vec<Ident> = params
+            .iter()
+            .filter(|(p, _)| Some(p) != conn.as_ref())
+            .map(|(p, _)| p.clone())
+            .collect();
 
         let mut out = Idempotent {
             key: None,

@@ -58,7 +58,7 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
         Ok(parsed) if parsed.conn_kind.0 == parse::ConnKind::Deferred => {
             let mut out = syn::Error::new_spanned(
                 &parsed.conn_kind.1,
-                "`idem::Deferred` is the database side of an external #[idempotent] fn; a #[retryable] body runs in its attempt's transaction and takes `conn: &mut AsyncPgConnection`",
+                "`idem::Deferred` is the database side of an external #[idempotent] fn; a #[retryable] body runs in its attempt's transaction and takes `conn: &mut AsyncPgConnection` (with #[idempotent(.., mode = external)] below, write it by that name: #[retryable] finds it only by a path ending in `idempotent`)",
             )
             .to_compile_error();
             out.extend(func.into_token_stream());

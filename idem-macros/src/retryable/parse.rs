@@ -84,7 +84,7 @@ fn connection_kind(ty: &Type) -> Option<ConnKind> {
     }
 }
 
-fn is_connection(ty: &Type) -> bool {
+pub(crate) fn is_connection(ty: &Type) -> bool {
     connection_kind(ty).is_some()
 }
 
@@ -99,6 +99,21 @@ fn lit_u64(expr: &Expr) -> Option<u64> {
 
 impl Retryable {
     pub(crate) fn from_tokens(args: TokenStream, func: &ItemFn) -> syn::Result<Retryable> {
+        Retryable::from_tokens_for(args, func, "#[retryable]")
+    }
+
+    /// [`Retryable::from_tokens`], its errors about the function naming
+    /// `attr`: the attribute the user wrote (#[idempotent] checks the same
+    /// shape when no #[retryable] is written with it).
+    pub(crate) fn from_tokens_for(
+        args: TokenStream,
+        func: &ItemFn,
+        attr: &'static str,
+    ) -> syn::Result<Retryable> {
+        let a_attr = match attr.starts_with("#[i") {
+            true => format!("an {attr}"),
+            false => format!("a {attr}"),
+        };
         let mut errors = Errors::default();
         let mut settings = Settings::default();
         // Every key given so far, with its value as written.
@@ -186,11 +201,11 @@ impl Retryable {
         if sig.asyncness.is_none() {
             errors.push_at(
                 sig.fn_token,
-                "#[retryable] needs an `async fn`: each attempt awaits the database",
+                format!("{attr} needs an `async fn`: each attempt awaits the database"),
             );
         }
         if matches!(sig.output, syn::ReturnType::Default) {
-            errors.push_at(&sig.ident, "a #[retryable] fn returns `Result<T, E>`: the loop must see an attempt fail to replay it");
+            errors.push_at(&sig.ident, format!("{a_attr} fn returns `Result<T, E>`: the loop must see an attempt fail to replay it"));
         }
 
         let mut conn: Option<(usize, Ident)> = None;
@@ -207,7 +222,7 @@ impl Retryable {
                         _ => false,
                     };
                     if !shared || receiver.mutability.is_some() {
-                        errors.push_at(receiver, "a #[retryable] method takes `&self`: its body is replayed on every attempt, so it cannot consume or mutate `self`");
+                        errors.push_at(receiver, format!("{a_attr} method takes `&self`: its body is replayed on every attempt, so it cannot consume or mutate `self`"));
                     }
                 }
                 FnArg::Typed(arg) => {
@@ -216,7 +231,7 @@ impl Retryable {
                             p.ident.clone()
                         }
                         other => {
-                            errors.push_at(other, "give this parameter a plain name: #[retryable] hands it to every attempt again");
+                            errors.push_at(other, format!("give this parameter a plain name: {attr} hands it to every attempt again"));
                             continue;
                         }
                     };
@@ -230,11 +245,11 @@ impl Retryable {
                             });
                             let message = match later {
                                 Some(later) => format!(
-                                    "the attempt's connection comes first in a #[retryable] fn: move `{}` before `{}` (callers pass an `&idem::Pool` in its place)",
+                                    "the attempt's connection comes first in {a_attr} fn: move `{}` before `{}` (callers pass an `&idem::Pool` in its place)",
                                     later.pat.to_token_stream(),
                                     arg.pat.to_token_stream(),
                                 ),
-                                None => "the first parameter of a #[retryable] fn is the attempt's connection: `conn: &mut AsyncPgConnection` (callers pass an `&idem::Pool` in its place)".to_owned(),
+                                None => format!("the first parameter of {a_attr} fn is the attempt's connection: `conn: &mut AsyncPgConnection` (callers pass an `&idem::Pool` in its place)"),
                             };
                             errors.push_at(&arg.ty, message);
                             // One mistake, one error: the connection found later
@@ -249,7 +264,7 @@ impl Retryable {
                     match &*arg.ty {
                         Type::Reference(r) if r.mutability.is_some() => errors.push_at(
                             &arg.ty,
-                            "a #[retryable] body is replayed on every attempt, and a `&mut` argument would carry one attempt's changes into the next; take it by value (Clone) or by shared reference",
+                            format!("{a_attr} body is replayed on every attempt, and a `&mut` argument would carry one attempt's changes into the next; take it by value (Clone) or by shared reference"),
                         ),
                         Type::Reference(_) => replayed.push(Replayed { ident, by_value: false, ty_span: arg.ty.span() }),
                         _ => replayed.push(Replayed { ident, by_value: true, ty_span: arg.ty.span() }),
@@ -258,7 +273,7 @@ impl Retryable {
             }
         }
         if conn.is_none() && !sig.inputs.iter().any(|i| matches!(i, FnArg::Typed(_))) {
-            errors.push_at(&sig.ident, "a #[retryable] fn takes the attempt's connection as its first parameter: `conn: &mut AsyncPgConnection`");
+            errors.push_at(&sig.ident, format!("{a_attr} fn takes the attempt's connection as its first parameter: `conn: &mut AsyncPgConnection`"));
         }
 
         let (conn_index, conn_ident) =

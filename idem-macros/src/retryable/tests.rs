@@ -118,6 +118,15 @@ fn an_expanded_function_is_told_by_its_maker() {
     })
     .unwrap();
     assert_eq!(made_by(&own), None);
+    // Nor one with a name of the macros' own kind in it.
+    let own_names: syn::ItemFn = syn::parse2(quote! {
+        async fn pay(pool: &::idem::Pool, cmd: &Cmd) -> Result<i64, AppError> {
+            let __idem_total = cmd.amount;
+            Ok(__idem_total)
+        }
+    })
+    .unwrap();
+    assert_eq!(made_by(&own_names), None);
     let (errors, _) = errors_and_fns(retryable(quote!(max = 3), quote!(#own)));
     assert_eq!(errors.len(), 1);
     assert!(
