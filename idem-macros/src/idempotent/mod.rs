@@ -138,6 +138,14 @@ fn fallback(mut func: syn::ItemFn, retry_attr: Option<syn::Attribute>) -> TokenS
         if let (Ok(mut shape), Ok(parsed)) = (shape, parsed) {
             if check_connection(&shape, &parsed).is_ok() {
                 expand::mark_attribute_uses(&mut shape, &parsed);
+                // A stand-in while the error stands: the parameters the
+                // attributes name (`key = ..`, `scope = ..`) are not used by
+                // these defaults, and a warning for each would add to the
+                // one error (an error under `deny(warnings)`).
+                shape
+                    .func
+                    .attrs
+                    .push(syn::parse_quote!(#[allow(unused_variables)]));
                 let retry_path = retry_attr.as_ref().map(|a| a.path().clone());
                 return expand::idempotent(&shape, &parsed, retry_path.as_ref());
             }

@@ -240,9 +240,18 @@ impl Idempotent {
                     }
                     out.fingerprint = Some(fields);
                 }
-                "key" => out.key = Some(meta.value()?.parse()?),
+                "key" => {
+                    let value: Expr = meta.value()?.parse()?;
+                    if let Some(at) = conn.as_ref().and_then(|c| names_variable(&value, c)) {
+                        errors.push_at(&at, format!("`{at}` is the connection; `key = ..` is made of the request's parameters or their fields"));
+                    }
+                    out.key = Some(value);
+                }
                 "scope" => {
                     let value: Expr = meta.value()?.parse()?;
+                    if let Some(at) = conn.as_ref().and_then(|c| names_variable(&value, c)) {
+                        errors.push_at(&at, format!("`{at}` is the connection; `scope = ..` is made of values the caller has (parameters, their fields, constants)"));
+                    }
                     out.scope = Some(match &value {
                         Expr::Path(p) if p.path.is_ident("none") => ScopeArg::None,
                         _ => ScopeArg::Values(value),
@@ -362,4 +371,34 @@ pub(crate) fn missing_scope() -> syn::Error {
          key space shared by every caller. A replay returns the stored response without \
          running the body, so a scope without the principal lets one caller read another's result",
     )
+}
+
+/// Where `expr` uses the variable `name` (not a field of that name, after a
+/// `.`): the token, to point an error at.
+fn names_variable(expr: &Expr, name: &Ident) -> Option<Ident> {
+    fn walk(tokens: TokenStream, name: &Ident) -> Option<Ident> {
+        let mut after_dot = false;
+        for token in tokens {
+            match token {
+                proc_macro2::TokenTree::Ident(ident) if ident == *name && !after_dot => {
+                    return Some(ident)
+                }
+                proc_macro2::TokenTree::Group(group) => {
+                    if let Some(found) = walk(group.stream(), name) {
+                        return Some(found);
+                    }
+                    after_dot = false;
+                    continue;
+                }
+                proc_macro2::TokenTree::Punct(p) => {
+                    after_dot = p.as_char() == '.';
+                    continue;
+                }
+                _ => {}
+            }
+            after_dot = false;
+        }
+        None
+    }
+    walk(expr.to_token_stream(), name)
 }

@@ -63,6 +63,21 @@ pub(crate) fn pool_signature(parsed: &Retryable) -> syn::Signature {
             p.mutability = None;
         }
     }
+    // A by-value argument's `mut` goes to each attempt's own clone of it
+    // (see `attempt_run_with`): the caller's binding is never changed.
+    for input in sig.inputs.iter_mut() {
+        if let FnArg::Typed(arg) = input {
+            if let syn::Pat::Ident(p) = &mut *arg.pat {
+                if parsed
+                    .replayed
+                    .iter()
+                    .any(|r| r.by_value && r.ident == p.ident)
+                {
+                    p.mutability = None;
+                }
+            }
+        }
+    }
     sig
 }
 
@@ -87,8 +102,8 @@ pub(crate) fn attempt_run_with(parsed: &Retryable, conn_value: TokenStream) -> T
     let body = &parsed.func.block;
     let (ret, _) = return_type(parsed);
     let replays = parsed.replayed.iter().filter(|r| r.by_value).map(|r| {
-        let ident = &r.ident;
-        quote_spanned! {r.ty_span=> let #ident = ::idem::__private::replay_arg(&#ident);}
+        let (ident, mutability) = (&r.ident, &r.mutability);
+        quote_spanned! {r.ty_span=> let #mutability #ident = ::idem::__private::replay_arg(&#ident);}
     });
     // The connection type as the user wrote it, so that the import naming it
     // counts as used (callers see a pool there); its lifetime is the attempt's.

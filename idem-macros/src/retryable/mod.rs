@@ -21,6 +21,22 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
     // could not resolve (not imported), which would be handed the function
     // again and again; expanded as it is, rustc names the missing import.
     let (handed_off, args) = crate::attrs::strip_handed_off(args);
+    // The mark only ever goes below an #[idempotent]; written by hand, it
+    // is refused (and the rest expands as without it).
+    let forged = handed_off
+        && !func
+            .attrs
+            .iter()
+            .any(|a| crate::attrs::is_attr(a, "idempotent"));
+    if forged {
+        let mut out = syn::Error::new(
+            proc_macro2::Span::call_site(),
+            "`__idem_handed_off` is idem's own mark, not a setting: take it out of #[retryable(..)]",
+        )
+        .to_compile_error();
+        out.extend(retryable(args, func.into_token_stream()));
+        return out;
+    }
     // #[idempotent] below #[retryable]: let it run first, with this attribute
     // still on the function, so both orders of stacking mean the same thing.
     if let Some(i) = func

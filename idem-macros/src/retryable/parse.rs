@@ -49,6 +49,8 @@ pub(crate) struct Replayed {
     /// By value: each attempt gets a clone.
     pub(crate) by_value: bool,
     pub(crate) ty_span: Span,
+    /// `mut x: T`: kept on the attempt's own binding of a by-value argument.
+    pub(crate) mutability: Option<syn::Token![mut]>,
 }
 
 pub(crate) struct Retryable {
@@ -226,12 +228,17 @@ impl Retryable {
                     }
                 }
                 FnArg::Typed(arg) => {
-                    let ident = match &*arg.pat {
+                    let (ident, mutability) = match &*arg.pat {
                         Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
-                            p.ident.clone()
+                            (p.ident.clone(), p.mutability)
                         }
                         other => {
                             errors.push_at(other, format!("give this parameter a plain name: {attr} hands it to every attempt again"));
+                            // A connection without a name is still the
+                            // connection: not reported again at the next.
+                            if conn.is_none() && is_connection(&arg.ty) {
+                                no_conn = true;
+                            }
                             continue;
                         }
                     };
@@ -261,13 +268,17 @@ impl Retryable {
                         }
                         continue;
                     }
+                    if is_connection(&arg.ty) {
+                        errors.push_at(&arg.ty, format!("{a_attr} fn takes one connection, its first parameter, which each attempt gets afresh: this is a second one; take it out"));
+                        continue;
+                    }
                     match &*arg.ty {
                         Type::Reference(r) if r.mutability.is_some() => errors.push_at(
                             &arg.ty,
                             format!("{a_attr} body is replayed on every attempt, and a `&mut` argument would carry one attempt's changes into the next; take it by value (Clone) or by shared reference"),
                         ),
-                        Type::Reference(_) => replayed.push(Replayed { ident, by_value: false, ty_span: arg.ty.span() }),
-                        _ => replayed.push(Replayed { ident, by_value: true, ty_span: arg.ty.span() }),
+                        Type::Reference(_) => replayed.push(Replayed { ident, by_value: false, ty_span: arg.ty.span(), mutability }),
+                        _ => replayed.push(Replayed { ident, by_value: true, ty_span: arg.ty.span(), mutability }),
                     }
                 }
             }

@@ -13,6 +13,14 @@ async fn plain(mut conn: &mut AsyncPgConnection, amount: i64) -> Result<i64, App
     Ok(amount)
 }
 
+/// `mut` on a by-value argument: each attempt's own clone is mutable.
+#[retryable(max = 3)]
+async fn counted(conn: &mut AsyncPgConnection, mut times: i64) -> Result<i64, AppError> {
+    let _ = conn;
+    times += 1;
+    Ok(times)
+}
+
 struct Ledger {
     fee: i64,
 }
@@ -30,7 +38,8 @@ async fn callers(pool: &Pool) -> Result<i64, AppError> {
     let ledger = Ledger { fee: 1 };
     let a = plain(pool, 1).await?;
     let c = ledger.charge(pool, 100).await?;
-    Ok(a + c)
+    let d = counted(pool, 1).await?;
+    Ok(a + c + d)
 }
 
 fn main() {
