@@ -120,16 +120,17 @@ fn expand_checked(
 
 /// What keeps one mistake in the attributes from becoming many: the function
 /// expanded with default settings (its key derived from nothing, in the key
-/// space of `scope = none`: it is never run), so callers that pass a pool and read an `Idempotent<T>`
-/// compile as they will once the attributes are fixed; the function as
-/// written when its shape itself is wrong (a parameter, the return type).
+/// space of `scope = none`: it is never run) and the connection where it
+/// stands, so callers that pass a pool and read an `Idempotent<T>` compile
+/// as they will once the attributes are fixed; the function as written when
+/// its shape is wrong otherwise (a parameter, the return type).
 fn fallback(mut func: syn::ItemFn, retry_attr: Option<syn::Attribute>) -> TokenStream {
     // The mode that fits the function's first parameter.
     for defaults in [
         quote::quote!(scope = none),
         quote::quote!(scope = none, mode = external),
     ] {
-        let shape = retryable::parse::Retryable::from_tokens(TokenStream::new(), &func);
+        let shape = retryable::parse::Retryable::stand_in(&func, "#[idempotent]");
         // Fingerprinting nothing: no bound on the parameters' types either.
         let parsed = parse::Idempotent::from_tokens(defaults, &func).map(|mut parsed| {
             parsed.fingerprint = Some(Vec::new());

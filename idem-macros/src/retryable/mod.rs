@@ -86,13 +86,13 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
 }
 
 /// The error, beside what keeps one mistake from becoming many: when only
-/// the settings are wrong, the function expanded with the default settings
-/// (its callers pass a pool, as they will once the setting is fixed, and see
-/// no error of their own); when the function itself is, the function as
-/// written.
+/// the settings are wrong, or the connection is out of place, the function
+/// expanded with the default settings and the connection where it stands
+/// (its callers pass a pool there, and see no error of their own); when the
+/// function itself is wrong otherwise, the function as written.
 fn with_fallback(err: syn::Error, func: &syn::ItemFn) -> TokenStream {
     let mut out = err.to_compile_error();
-    match parse::Retryable::from_tokens(TokenStream::new(), func) {
+    match parse::Retryable::stand_in(func, "#[retryable]") {
         Ok(defaults) if defaults.conn_kind.0 != parse::ConnKind::Deferred => {
             out.extend(expand::retryable(&defaults))
         }

@@ -112,6 +112,22 @@ impl Retryable {
         func: &ItemFn,
         attr: &'static str,
     ) -> syn::Result<Retryable> {
+        Retryable::parse(args, func, attr, false)
+    }
+
+    /// The function's shape for a stand-in while an error stands: the
+    /// connection taken where it is, also after other parameters, so that
+    /// callers written for that order see no error of their own.
+    pub(crate) fn stand_in(func: &ItemFn, attr: &'static str) -> syn::Result<Retryable> {
+        Retryable::parse(TokenStream::new(), func, attr, true)
+    }
+
+    fn parse(
+        args: TokenStream,
+        func: &ItemFn,
+        attr: &'static str,
+        connection_anywhere: bool,
+    ) -> syn::Result<Retryable> {
         let a_attr = match attr.starts_with("#[i") {
             true => format!("an {attr}"),
             false => format!("a {attr}"),
@@ -242,14 +258,17 @@ impl Retryable {
                             continue;
                         }
                     };
-                    if conn.is_none() && !no_conn {
+                    let later = sig.inputs.iter().skip(index + 1).find_map(|i| match i {
+                        FnArg::Typed(a) if is_connection(&a.ty) => Some(a),
+                        _ => None,
+                    });
+                    // A stand-in takes the connection where it is: the
+                    // parameters before it are arguments.
+                    let before_conn = connection_anywhere && later.is_some();
+                    if conn.is_none() && !no_conn && !before_conn {
                         if is_connection(&arg.ty) {
                             conn = Some((index, ident));
                         } else {
-                            let later = sig.inputs.iter().skip(index + 1).find_map(|i| match i {
-                                FnArg::Typed(a) if is_connection(&a.ty) => Some(a),
-                                _ => None,
-                            });
                             let message = match later {
                                 Some(later) => format!(
                                     "the attempt's connection comes first in {a_attr} fn: move `{}` before `{}` (callers pass an `&idem::Pool` in its place)",
