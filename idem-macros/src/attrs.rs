@@ -108,7 +108,8 @@ const HANDED_OFF: &str = "__idem_handed_off";
 /// `args` of a #[retryable] with the mark of a hand-off, which it gets when
 /// it hands a function to #[idempotent] and writes itself again below.
 pub(crate) fn handed_off(args: TokenStream) -> TokenStream {
-    quote::quote!(__idem_handed_off, #args)
+    let mark = proc_macro2::Ident::new(HANDED_OFF, proc_macro2::Span::call_site());
+    quote::quote!(#mark, #args)
 }
 
 /// Whether `args` carry that mark, and `args` without it.
