@@ -17,11 +17,27 @@ pub(crate) enum Maker {
 }
 
 impl Maker {
+    /// The attribute's name, which the other one looks for.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Maker::Idempotent => "idempotent",
+            Maker::Retryable => "retryable",
+        }
+    }
+
     /// The attribute as a user writes it.
     pub(crate) fn attr(self) -> &'static str {
         match self {
             Maker::Idempotent => "#[idempotent]",
             Maker::Retryable => "#[retryable]",
+        }
+    }
+
+    /// The same with its article, for a message ("an #[idempotent] fn").
+    pub(crate) fn a_attr(self) -> &'static str {
+        match self {
+            Maker::Idempotent => "an #[idempotent]",
+            Maker::Retryable => "a #[retryable]",
         }
     }
 }
@@ -88,10 +104,7 @@ pub(crate) fn already_expanded(this: Maker, maker: Maker) -> syn::Error {
             this.attr()
         )
     } else {
-        let name = match this {
-            Maker::Idempotent => "idempotent",
-            Maker::Retryable => "retryable",
-        };
+        let name = this.name();
         format!(
             "this {this} sits below {maker} under another name, and {maker} finds it only by a path ending in `{name}`: write it as `#[{name}(..)]` or `#[idem::{name}(..)]`, so that the two make one loop",
             this = this.attr(),

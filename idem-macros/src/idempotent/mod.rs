@@ -44,14 +44,14 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let retry_attr = func
         .attrs
         .iter()
-        .position(|a| is_attr(a, "retryable"))
+        .position(|a| is_attr(a, Maker::Retryable.name()))
         .map(|i| func.attrs.remove(i));
     // A second #[retryable]: one error at it, and it is dropped, so the rest
     // expands as with one.
     let twice = func
         .attrs
         .iter()
-        .position(|a| is_attr(a, "retryable"))
+        .position(|a| is_attr(a, Maker::Retryable.name()))
         .map(|i| {
             let second = func.attrs.remove(i);
             syn::Error::new_spanned(
@@ -81,11 +81,11 @@ fn expand_checked(
         None => TokenStream::new(),
     };
     // The shape's errors name the attribute the user wrote.
-    let attr = match retry_attr {
-        Some(_) => "#[retryable]",
-        None => "#[idempotent]",
+    let maker = match retry_attr {
+        Some(_) => Maker::Retryable,
+        None => Maker::Idempotent,
     };
-    let shape = retryable::parse::Retryable::from_tokens_for(retry_args, &func, attr);
+    let shape = retryable::parse::Retryable::from_tokens_for(retry_args, &func, maker);
     let parsed = parse::Idempotent::from_tokens(args, &func);
     let (shape, parsed) = match (shape, parsed) {
         (Ok(shape), Ok(parsed)) => match check_connection(&shape, &parsed) {
@@ -130,7 +130,7 @@ fn fallback(mut func: syn::ItemFn, retry_attr: Option<syn::Attribute>) -> TokenS
         quote::quote!(scope = none),
         quote::quote!(scope = none, mode = external),
     ] {
-        let shape = retryable::parse::Retryable::stand_in(&func, "#[idempotent]");
+        let shape = retryable::parse::Retryable::stand_in(&func, Maker::Idempotent);
         // Fingerprinting nothing: no bound on the parameters' types either.
         let parsed = parse::Idempotent::from_tokens(defaults, &func).map(|mut parsed| {
             parsed.fingerprint = Some(Vec::new());

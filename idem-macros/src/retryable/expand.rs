@@ -56,25 +56,25 @@ pub(crate) fn policy(parsed: &Retryable) -> TokenStream {
 /// The function as callers see it: the connection parameter takes a pool.
 pub(crate) fn pool_signature(parsed: &Retryable) -> syn::Signature {
     let mut sig = parsed.func.sig.clone();
-    if let FnArg::Typed(arg) = &mut sig.inputs[parsed.conn_index] {
-        let span = arg.ty.span();
-        *arg.ty = syn::parse_quote_spanned!(span=> &::idem::Pool);
-        if let syn::Pat::Ident(p) = &mut *arg.pat {
-            p.mutability = None;
+    for (index, input) in sig.inputs.iter_mut().enumerate() {
+        let FnArg::Typed(arg) = input else { continue };
+        let conn = index == parsed.conn_index;
+        if conn {
+            let span = arg.ty.span();
+            *arg.ty = syn::parse_quote_spanned!(span=> &::idem::Pool);
         }
-    }
-    // A by-value argument's `mut` goes to each attempt's own clone of it
-    // (see `attempt_run_with`): the caller's binding is never changed.
-    for input in sig.inputs.iter_mut() {
-        if let FnArg::Typed(arg) = input {
-            if let syn::Pat::Ident(p) = &mut *arg.pat {
-                if parsed
+        // The connection's `mut`, and a by-value argument's, go to the
+        // attempt's own binding (see `attempt_run_with`): the caller's is
+        // never changed. A reference's stays, for the body's captured copy.
+        if let syn::Pat::Ident(p) = &mut *arg.pat {
+            let by_value = || {
+                parsed
                     .replayed
                     .iter()
                     .any(|r| r.by_value && r.ident == p.ident)
-                {
-                    p.mutability = None;
-                }
+            };
+            if conn || by_value() {
+                p.mutability = None;
             }
         }
     }

@@ -27,7 +27,7 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
         && !func
             .attrs
             .iter()
-            .any(|a| crate::attrs::is_attr(a, "idempotent"));
+            .any(|a| crate::attrs::is_attr(a, Maker::Idempotent.name()));
     if forged {
         let mut out = syn::Error::new(
             proc_macro2::Span::call_site(),
@@ -42,7 +42,7 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
     if let Some(i) = func
         .attrs
         .iter()
-        .position(|a| crate::attrs::is_attr(a, "idempotent"))
+        .position(|a| crate::attrs::is_attr(a, Maker::Idempotent.name()))
         .filter(|_| !handed_off)
     {
         let mut func = func;
@@ -92,7 +92,7 @@ pub(crate) fn retryable(args: TokenStream, item: TokenStream) -> TokenStream {
 /// function itself is wrong otherwise, the function as written.
 fn with_fallback(err: syn::Error, func: &syn::ItemFn) -> TokenStream {
     let mut out = err.to_compile_error();
-    match parse::Retryable::stand_in(func, "#[retryable]") {
+    match parse::Retryable::stand_in(func, Maker::Retryable) {
         Ok(defaults) if defaults.conn_kind.0 != parse::ConnKind::Deferred => {
             out.extend(expand::retryable(&defaults))
         }

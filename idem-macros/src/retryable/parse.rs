@@ -7,6 +7,7 @@ use syn::parse::Parser;
 use syn::spanned::Spanned;
 use syn::{Expr, FnArg, Ident, ItemFn, Lit, Pat, Type};
 
+use crate::attrs::Maker;
 use crate::errors::Errors;
 
 pub(crate) const KEYS: &str = "`max`, `deadline_ms`, `backoff_base_ms`, `backoff_cap_ms`, `isolation`, `on_conflict`, `retry_lock_not_available`, `commit_timeout_ms`, `hot_row_memory_ms` and `policy`";
@@ -101,37 +102,34 @@ fn lit_u64(expr: &Expr) -> Option<u64> {
 
 impl Retryable {
     pub(crate) fn from_tokens(args: TokenStream, func: &ItemFn) -> syn::Result<Retryable> {
-        Retryable::from_tokens_for(args, func, "#[retryable]")
+        Retryable::from_tokens_for(args, func, Maker::Retryable)
     }
 
     /// [`Retryable::from_tokens`], its errors about the function naming
-    /// `attr`: the attribute the user wrote (#[idempotent] checks the same
+    /// `maker`: the attribute the user wrote (#[idempotent] checks the same
     /// shape when no #[retryable] is written with it).
     pub(crate) fn from_tokens_for(
         args: TokenStream,
         func: &ItemFn,
-        attr: &'static str,
+        maker: Maker,
     ) -> syn::Result<Retryable> {
-        Retryable::parse(args, func, attr, false)
+        Retryable::parse(args, func, maker, false)
     }
 
     /// The function's shape for a stand-in while an error stands: the
     /// connection taken where it is, also after other parameters, so that
     /// callers written for that order see no error of their own.
-    pub(crate) fn stand_in(func: &ItemFn, attr: &'static str) -> syn::Result<Retryable> {
-        Retryable::parse(TokenStream::new(), func, attr, true)
+    pub(crate) fn stand_in(func: &ItemFn, maker: Maker) -> syn::Result<Retryable> {
+        Retryable::parse(TokenStream::new(), func, maker, true)
     }
 
     fn parse(
         args: TokenStream,
         func: &ItemFn,
-        attr: &'static str,
+        maker: Maker,
         connection_anywhere: bool,
     ) -> syn::Result<Retryable> {
-        let a_attr = match attr.starts_with("#[i") {
-            true => format!("an {attr}"),
-            false => format!("a {attr}"),
-        };
+        let (attr, a_attr) = (maker.attr(), maker.a_attr());
         let mut errors = Errors::default();
         let mut settings = Settings::default();
         // Every key given so far, with its value as written.
