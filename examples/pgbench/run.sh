@@ -9,6 +9,12 @@
 #
 #   examples/pgbench/run.sh [URL] [-c CLIENTS] [-T SECONDS]
 #
+# pgbench runs every script on one connection, and on a machine of few
+# cores a backend used back to back is woken on another core than pgbench,
+# so its bare call is slower and its ratios lower than bench_idempotent's
+# (a connection per contender). To compare the two in one placement, pin
+# the server and the client to one core (README, "Where c = 1 stands").
+#
 # URL: a server to create a scratch database on (default
 # postgres://postgres@127.0.0.1:5432/postgres). The database gets idem's
 # migrations (the SQL files of idem-runtime/migrations), the tables of
