@@ -232,7 +232,13 @@ pub(crate) fn idempotent(
     let uses_retryable = retryable
         .map(|path| quote_spanned!(path.span()=> #[allow(unused_imports)] use #path as _;));
 
+    // The return type spells the user's `Result<V, E>` out through
+    // `ResultParts`, which clippy scores as too complex. It stays silent on
+    // macro output, but an attribute macro below this one that re-emits the
+    // type (`#[tracing::instrument]` binds it in a `let`) makes the type the
+    // user's tokens again, and the warning lands on their return type.
     quote! {
+        #[allow(clippy::type_complexity)]
         #(#attrs)*
         #vis #sig {
             #uses_retryable
