@@ -9,6 +9,31 @@ pub(crate) fn is_attr(attr: &syn::Attribute, name: &str) -> bool {
     attr.path().segments.last().is_some_and(|s| s.ident == name)
 }
 
+/// Whether `attr` is one of rustc's own inert attributes (`doc`, the lint
+/// levels, `must_use`, `inline`, ..), which no macro expands: anything else
+/// on a function may be an attribute macro that expands after idem's.
+pub(crate) fn is_builtin(attr: &syn::Attribute) -> bool {
+    const BUILTIN: [&str; 14] = [
+        "doc",
+        "allow",
+        "warn",
+        "deny",
+        "forbid",
+        "expect",
+        "must_use",
+        "inline",
+        "cold",
+        "cfg",
+        "deprecated",
+        "track_caller",
+        "no_mangle",
+        "export_name",
+    ];
+    attr.path()
+        .get_ident()
+        .is_some_and(|ident| BUILTIN.iter().any(|name| ident == name))
+}
+
 /// Which of idem's function attributes already expanded `func`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Maker {

@@ -236,9 +236,15 @@ pub(crate) fn idempotent(
     // `ResultParts`, which clippy scores as too complex. It stays silent on
     // macro output, but an attribute macro below this one that re-emits the
     // type (`#[tracing::instrument]` binds it in a `let`) makes the type the
-    // user's tokens again, and the warning lands on their return type.
+    // user's tokens again, and the warning lands on their return type. Only
+    // then is it allowed: a crate that forbids the lint gets no error from
+    // an allow it does not need.
+    let allow_complexity = attrs
+        .iter()
+        .any(|attr| !crate::attrs::is_builtin(attr))
+        .then(|| quote!(#[allow(clippy::type_complexity)]));
     quote! {
-        #[allow(clippy::type_complexity)]
+        #allow_complexity
         #(#attrs)*
         #vis #sig {
             #uses_retryable
