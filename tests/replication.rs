@@ -54,6 +54,25 @@ async fn pay(conn: &mut AsyncPgConnection, key: &str, tag: &str) -> Result<i64, 
     Ok(row.id)
 }
 
+/// `pay` with a longer wait for `COMMIT`'s answer before the cancel: the
+/// cancel must meet the commit waiting for the standby (already committed
+/// locally), not a commit still on its way there, which a loaded machine can
+/// hold past `pay`'s 500 ms (the cancel then aborts it, and nothing is
+/// visible). The same operation as `pay`, whose duplicates meet its record.
+#[idempotent(key = key, fingerprint(tag), scope = none, operation = "replication::pay")]
+#[retryable(max = 1, deadline_ms = 8000, commit_timeout_ms = 3000)]
+async fn pay_cancelled_late(
+    conn: &mut AsyncPgConnection,
+    key: &str,
+    tag: &str,
+) -> Result<i64, AppError> {
+    let row: Id = diesel::sql_query("INSERT INTO effects (tag) VALUES ($1) RETURNING id")
+        .bind::<Text, _>(tag)
+        .get_result(conn)
+        .await?;
+    Ok(row.id)
+}
+
 const DATABASE: &str = "idem_sync";
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -191,7 +210,7 @@ async fn a_record_visible_on_the_primary_alone_is_not_replayed_until_the_standby
     )
     .expect("a pool");
     pair.stop_standby().await.expect("standby stopped");
-    let first = pay(&cancelling, "k2", "second").await;
+    let first = pay_cancelled_late(&cancelling, "k2", "second").await;
     assert!(first.is_err(), "{first:?}");
     let primary = connect(&pair.primary_url_for(DATABASE)).await;
     assert_eq!(
