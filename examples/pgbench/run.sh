@@ -10,9 +10,10 @@
 #   examples/pgbench/run.sh [URL] [-c CLIENTS] [-T SECONDS]
 #
 # pgbench runs every script on one connection, and on a machine of few
-# cores a backend used back to back is woken on another core than pgbench,
-# so its bare call is slower and its ratios lower than bench_idempotent's
-# (a connection per contender). To compare the two in one placement, pin
+# cores a backend used back to back runs in a slower placement against
+# pgbench (pinning both to one core takes the difference away), so its bare
+# call is slower and its ratios lower than bench_idempotent's (a connection
+# per contender). To compare the two in one placement, pin
 # the server and the client to one core (README, "Where c = 1 stands").
 #
 # URL: a server to create a scratch database on (default
