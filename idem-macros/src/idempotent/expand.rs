@@ -2,11 +2,11 @@
 //! each attempt; external mode: committed first), and the retry loop whose
 //! attempts run the body and record its outcome.
 
-use proc_macro2::{Span, TokenStream, TokenTree};
+use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
 
-use super::parse::{Idempotent, ModeArg, ScopeArg};
+use super::parse::{variables_in, Idempotent, ModeArg, ScopeArg};
 use crate::retryable::expand::{
     attempt_run, attempt_run_with, function_name, policy, pool_signature, return_type,
 };
@@ -38,20 +38,6 @@ fn config(parsed: &Idempotent) -> TokenStream {
     config
 }
 
-/// The names `tokens` refer to, field names (right after a `.`) left out.
-fn names_in(tokens: TokenStream, out: &mut Vec<String>) {
-    let mut after_dot = false;
-    for token in tokens {
-        let dot = matches!(&token, TokenTree::Punct(p) if p.as_char() == '.');
-        match token {
-            TokenTree::Ident(ident) if !after_dot => out.push(ident.to_string()),
-            TokenTree::Group(group) => names_in(group.stream(), out),
-            _ => {}
-        }
-        after_dot = dot;
-    }
-}
-
 /// A by-value parameter is cloned afresh for each attempt; when only the
 /// attribute (key, scope, fingerprint) reads it, that per-attempt copy would
 /// be reported as an unused variable at the parameter. Mark the copies of the
@@ -69,20 +55,20 @@ pub(crate) fn mark_attribute_uses(shape: &mut Retryable, parsed: &Idempotent) {
         parsed.cache.as_ref(),
     ];
     for expr in exprs.into_iter().flatten() {
-        names_in(expr.to_token_stream(), &mut names);
+        variables_in(expr.to_token_stream(), &mut names);
     }
     match &parsed.fingerprint {
         Some(fields) => {
             for field in fields {
-                names_in(field.expr.to_token_stream(), &mut names);
+                variables_in(field.expr.to_token_stream(), &mut names);
             }
         }
-        None => names.extend(parsed.params.iter().map(ToString::to_string)),
+        None => names.extend(parsed.params.iter().cloned()),
     }
     let marks: Vec<syn::Stmt> = shape
         .replayed
         .iter()
-        .filter(|r| r.by_value && names.contains(&r.ident.to_string()))
+        .filter(|r| r.by_value && names.contains(&r.ident))
         .map(|r| {
             let ident = &r.ident;
             syn::parse_quote!(let _ = &#ident;)

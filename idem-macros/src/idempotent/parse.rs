@@ -373,32 +373,25 @@ pub(crate) fn missing_scope() -> syn::Error {
     )
 }
 
+/// The variables `tokens` name, in order: every identifier but a field's
+/// (right after a `.`), inside groups too.
+pub(super) fn variables_in(tokens: TokenStream, out: &mut Vec<Ident>) {
+    let mut after_dot = false;
+    for token in tokens {
+        let dot = matches!(&token, proc_macro2::TokenTree::Punct(p) if p.as_char() == '.');
+        match token {
+            proc_macro2::TokenTree::Ident(ident) if !after_dot => out.push(ident),
+            proc_macro2::TokenTree::Group(group) => variables_in(group.stream(), out),
+            _ => {}
+        }
+        after_dot = dot;
+    }
+}
+
 /// Where `expr` uses the variable `name` (not a field of that name, after a
 /// `.`): the token, to point an error at.
 fn names_variable(expr: &Expr, name: &Ident) -> Option<Ident> {
-    fn walk(tokens: TokenStream, name: &Ident) -> Option<Ident> {
-        let mut after_dot = false;
-        for token in tokens {
-            match token {
-                proc_macro2::TokenTree::Ident(ident) if ident == *name && !after_dot => {
-                    return Some(ident)
-                }
-                proc_macro2::TokenTree::Group(group) => {
-                    if let Some(found) = walk(group.stream(), name) {
-                        return Some(found);
-                    }
-                    after_dot = false;
-                    continue;
-                }
-                proc_macro2::TokenTree::Punct(p) => {
-                    after_dot = p.as_char() == '.';
-                    continue;
-                }
-                _ => {}
-            }
-            after_dot = false;
-        }
-        None
-    }
-    walk(expr.to_token_stream(), name)
+    let mut variables = Vec::new();
+    variables_in(expr.to_token_stream(), &mut variables);
+    variables.into_iter().find(|variable| variable == name)
 }
