@@ -47,11 +47,7 @@ struct Id {
 #[idempotent(key = key, fingerprint(tag), scope = none)]
 #[retryable(max = 2, deadline_ms = 3000, commit_timeout_ms = 500)]
 async fn pay(conn: &mut AsyncPgConnection, key: &str, tag: &str) -> Result<i64, AppError> {
-    let row: Id = diesel::sql_query("INSERT INTO effects (tag) VALUES ($1) RETURNING id")
-        .bind::<Text, _>(tag)
-        .get_result(conn)
-        .await?;
-    Ok(row.id)
+    insert_effect(conn, tag).await
 }
 
 /// `pay` with a longer wait for `COMMIT`'s answer before the cancel: the
@@ -66,6 +62,11 @@ async fn pay_cancelled_late(
     key: &str,
     tag: &str,
 ) -> Result<i64, AppError> {
+    insert_effect(conn, tag).await
+}
+
+/// The effect both write: one row of `effects`, its id returned.
+async fn insert_effect(conn: &mut AsyncPgConnection, tag: &str) -> Result<i64, AppError> {
     let row: Id = diesel::sql_query("INSERT INTO effects (tag) VALUES ($1) RETURNING id")
         .bind::<Text, _>(tag)
         .get_result(conn)
