@@ -52,6 +52,7 @@ pub mod proxy;
 pub mod redis;
 pub mod replica;
 mod scratch;
+mod server;
 pub mod stats;
 mod url;
 mod via;

@@ -26,20 +26,36 @@
 //! ```
 
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
 
-use crate::scratch::random_u32;
+use crate::server::{self, unique_suffix, Process, Shared, Spec};
 
-/// The port a developer's or CI's own server listens on.
-const DEFAULT_ADDR: &str = "127.0.0.1:6379";
+static SPEC: Spec = Spec {
+    program: "redis-server",
+    program_var: "IDEM_REDIS_SERVER",
+    installed: &["/usr/bin/redis-server", "/usr/sbin/redis-server"],
+    url_var: "REDIS_URL",
+    scheme: "redis",
+    default_port: 6379,
+    ready_sign: "answer to PING",
+    is_ready: answers_ping,
+    args,
+};
 
-/// How long a started server gets to answer `PING`.
-const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// No persistence: a test server's data dies with it anyway.
+fn args(command: &mut Command, port: u16, dir: &Path, log: &Path) {
+    command
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+        .arg("--dir")
+        .arg(dir)
+        .arg("--logfile")
+        .arg(log);
+}
 
 /// Why the harness could not provide a Redis server.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -87,164 +103,70 @@ impl RedisHarnessError {
     }
 }
 
+server::from_failure!(RedisHarnessError);
+
 /// A `redis-server` started by the harness, without persistence; stopped
 /// (and its directory removed) when dropped.
 #[derive(Debug)]
 pub struct RedisServer {
-    url: String,
-    addr: SocketAddr,
-    dir: PathBuf,
-    child: Mutex<Option<Child>>,
+    process: Process,
 }
 
 impl RedisServer {
     /// Start a server on a free port of 127.0.0.1 (`--save '' --appendonly
     /// no`), in a new temporary directory. Blocks until it answers `PING`.
     pub fn start() -> Result<RedisServer, RedisHarnessError> {
-        let binary = find_binary()?;
-        let port = TcpListener::bind(("127.0.0.1", 0))
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .map_err(|e| RedisHarnessError::io("find a free TCP port on 127.0.0.1", e))?;
-        let dir = std::env::temp_dir().join(format!("idem-redis-{}", unique_suffix()));
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| RedisHarnessError::io(format!("create {}", dir.display()), e))?;
-        let log = dir.join("redis-server.log");
-        let child = Command::new(&binary)
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(&dir)
-            .arg("--logfile")
-            .arg(&log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| RedisHarnessError::io(format!("run {}", binary.display()), e))?;
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let server = RedisServer {
-            url: format!("redis://{addr}"),
-            addr,
-            dir,
-            child: Mutex::new(Some(child)),
-        };
-        let started = Instant::now();
-        loop {
-            if answers_ping(&addr) {
-                return Ok(server);
-            }
-            let exited = server
-                .child
-                .lock()
-                .ok()
-                .and_then(|mut c| c.as_mut().and_then(|c| c.try_wait().ok().flatten()));
-            if exited.is_some() || started.elapsed() > START_TIMEOUT {
-                let detail = match exited {
-                    Some(status) => format!("it exited with {status}"),
-                    None => format!("no answer to PING on {addr} after {START_TIMEOUT:?}"),
-                };
-                let log = std::fs::read_to_string(&log).unwrap_or_default();
-                return Err(RedisHarnessError::ServerDidNotStart { detail, log });
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        Ok(RedisServer {
+            process: Process::start(&SPEC)?,
+        })
     }
 
     /// Its URL, `redis://127.0.0.1:PORT`.
     pub fn url(&self) -> &str {
-        &self.url
+        self.process.url()
     }
 
     /// Its temporary directory (the log).
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.process.dir()
     }
 
     /// Send one command and return the reply's first line (`+OK`, `:3`,
     /// `$5`..): enough for `FLUSHALL`, `DBSIZE`, `EXISTS`.
     pub fn command(&self, args: &[&str]) -> Result<String, RedisHarnessError> {
-        command(&self.addr, args, Duration::from_secs(5))
+        command(&self.process.addr(), args, Duration::from_secs(5))
     }
 
     /// Kill the server: from now on its port refuses connections. Its
     /// directory stays until drop.
     pub fn stop(&self) {
-        if let Some(mut child) = self.child.lock().ok().and_then(|mut c| c.take()) {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Freeze the server (`SIGSTOP`): connections stay open and nothing
     /// answers, as with a Redis stuck in a long command or a lost network.
     pub fn pause(&self) {
-        self.signal(libc::SIGSTOP);
+        self.process.signal(libc::SIGSTOP);
     }
 
     /// Thaw a [`pause`](Self::pause)d server.
     pub fn resume(&self) {
-        self.signal(libc::SIGCONT);
-    }
-
-    fn signal(&self, signal: libc::c_int) {
-        if let Some(child) = self.child.lock().ok().as_ref().and_then(|c| c.as_ref()) {
-            if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-                // SAFETY: kill(2) on our own child's pid, which we have not reaped.
-                unsafe {
-                    libc::kill(pid, signal);
-                }
-            }
-        }
-    }
-
-    fn shut_down(&self) {
-        self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.process.signal(libc::SIGCONT);
     }
 }
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
-        self.shut_down();
+        self.process.shut_down();
     }
 }
 
-static SHARED: OnceLock<Result<RedisServer, RedisHarnessError>> = OnceLock::new();
-
-extern "C" fn shut_down_shared_server() {
-    // Unwinding out of an extern "C" fn aborts; a failed cleanup must not
-    // turn a passing run into a crash.
-    let _ = std::panic::catch_unwind(|| {
-        if let Some(Ok(server)) = SHARED.get() {
-            server.shut_down();
-        }
-    });
-}
+static SHARED: Shared = Shared::new(&SPEC);
 
 /// The URL of the shared Redis tests use (see the [module docs](self) for
 /// which). Blocking: the first call may start a server.
 pub fn url() -> Result<String, RedisHarnessError> {
-    match std::env::var("REDIS_URL") {
-        Ok(url) if !url.is_empty() => return Ok(url),
-        _ => {}
-    }
-    if let Ok(addr) = DEFAULT_ADDR.parse() {
-        if answers_ping(&addr) {
-            return Ok(format!("redis://{DEFAULT_ADDR}"));
-        }
-    }
-    let server = SHARED.get_or_init(|| {
-        let server = RedisServer::start()?;
-        // Statics are never dropped: without this the server would outlive
-        // the test binary.
-        // SAFETY: registers a plain extern "C" fn; libc keeps no other state for it.
-        unsafe {
-            libc::atexit(shut_down_shared_server);
-        }
-        Ok(server)
-    });
-    server.as_ref().map(|s| s.url.clone()).map_err(Clone::clone)
+    Ok(SHARED.url()?)
 }
 
 /// A key prefix no other test (of this process or another) uses:
@@ -286,39 +208,6 @@ fn command(addr: &SocketAddr, args: &[&str], wait: Duration) -> Result<String, R
         return Err(RedisHarnessError::Reply(first));
     }
     Ok(first)
-}
-
-fn find_binary() -> Result<PathBuf, RedisHarnessError> {
-    if let Some(path) = std::env::var_os("IDEM_REDIS_SERVER").filter(|p| !p.is_empty()) {
-        return Ok(PathBuf::from(path));
-    }
-    let mut searched = vec!["IDEM_REDIS_SERVER (unset)".to_owned()];
-    if let Some(paths) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&paths) {
-            let candidate = dir.join("redis-server");
-            if candidate.is_file() {
-                return Ok(candidate);
-            }
-        }
-    }
-    searched.push("PATH".to_owned());
-    for candidate in ["/usr/bin/redis-server", "/usr/sbin/redis-server"] {
-        if Path::new(candidate).is_file() {
-            return Ok(candidate.into());
-        }
-        searched.push(candidate.to_owned());
-    }
-    Err(RedisHarnessError::NoServerBinary {
-        searched: searched.join(", "),
-    })
-}
-
-/// `PID_COUNTER_RANDOM`: unique across the tests of a process and across
-/// processes sharing one server.
-fn unique_suffix() -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{}_{n}_{:08x}", std::process::id(), random_u32())
 }
 
 #[cfg(test)]
