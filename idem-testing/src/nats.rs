@@ -24,22 +24,37 @@
 //! ```
 
 use std::io::{self, Read};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 
-use crate::scratch::random_u32;
+use crate::server::{self, unique_suffix, Process, Shared, Spec};
 
-/// The port a developer's or CI's own server listens on.
-const DEFAULT_ADDR: &str = "127.0.0.1:4222";
+static SPEC: Spec = Spec {
+    program: "nats-server",
+    program_var: "IDEM_NATS_SERVER",
+    installed: &["/usr/sbin/nats-server", "/usr/bin/nats-server"],
+    url_var: "NATS_URL",
+    scheme: "nats",
+    default_port: 4222,
+    ready_sign: "JetStream greeting",
+    is_ready: has_jetstream,
+    args,
+};
 
-/// How long a started server gets to accept connections.
-const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// JetStream on, storing under the server's directory, where a restart
+/// finds its file-stored streams again.
+fn args(command: &mut Command, port: u16, dir: &Path, log: &Path) {
+    command
+        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+        .arg(dir.join("store"))
+        .arg("-l")
+        .arg(log);
+}
 
 /// Why the harness could not provide a NATS server or a stream.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -79,17 +94,12 @@ pub enum NatsHarnessError {
 }
 
 impl NatsHarnessError {
-    fn io(action: impl Into<String>, source: io::Error) -> Self {
-        NatsHarnessError::Io {
-            action: action.into(),
-            source: Arc::new(source),
-        }
-    }
-
     fn client(err: impl std::fmt::Display) -> Self {
         NatsHarnessError::Client(err.to_string())
     }
 }
+
+server::from_failure!(NatsHarnessError);
 
 /// A `nats-server -js` started by the harness; stopped (and its store
 /// directory removed) when dropped.
@@ -99,37 +109,22 @@ impl NatsHarnessError {
 /// directory, so clients reconnect to it and file-stored streams survive.
 #[derive(Debug)]
 pub struct NatsServer {
-    url: String,
-    port: u16,
-    dir: PathBuf,
-    child: Mutex<Option<Child>>,
+    process: Process,
 }
 
 impl NatsServer {
     /// Start a server with JetStream on a free port of 127.0.0.1, storing
     /// in a new temporary directory. Blocks until it accepts connections.
     pub fn start() -> Result<NatsServer, NatsHarnessError> {
-        let port = TcpListener::bind(("127.0.0.1", 0))
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .map_err(|e| NatsHarnessError::io("find a free TCP port on 127.0.0.1", e))?;
-        let server = NatsServer {
-            url: format!("nats://127.0.0.1:{port}"),
-            port,
-            dir: make_temp_dir()?,
-            child: Mutex::new(None),
-        };
-        server.spawn()?;
-        Ok(server)
+        Ok(NatsServer {
+            process: Process::start(&SPEC)?,
+        })
     }
 
     /// Kill the server (SIGKILL: a crash, not a shutdown), keeping its store
     /// directory. Its clients see the connection drop and try to reconnect.
     pub fn kill(&self) {
-        if let Some(mut child) = self.child.lock().ok().and_then(|mut c| c.take()) {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Freeze the server (SIGSTOP): its connections stay open but nothing
@@ -137,7 +132,7 @@ impl NatsServer {
     /// clients send meanwhile waits in its sockets and is read on
     /// [`thaw`](NatsServer::thaw).
     pub fn freeze(&self) {
-        let Some(pid) = self.signal(libc::SIGSTOP) else {
+        let Some(pid) = self.process.signal(libc::SIGSTOP) else {
             return;
         };
         // The signal is delivered asynchronously: wait until every thread
@@ -150,141 +145,39 @@ impl NatsServer {
 
     /// Let a frozen server run again (SIGCONT).
     pub fn thaw(&self) {
-        self.signal(libc::SIGCONT);
-    }
-
-    /// Send `signal` to the running server; its pid, if it runs.
-    fn signal(&self, signal: libc::c_int) -> Option<libc::pid_t> {
-        let pid = self
-            .child
-            .lock()
-            .ok()
-            .and_then(|c| c.as_ref().map(Child::id))
-            .and_then(|id| libc::pid_t::try_from(id).ok());
-        if let Some(pid) = pid {
-            // SAFETY: kill(2) on the pid of a child this harness spawned and
-            // has not reaped (it is still in `child`).
-            unsafe {
-                libc::kill(pid, signal);
-            }
-        }
-        pid
+        self.process.signal(libc::SIGCONT);
     }
 
     /// Start the server again on the same port with the same store directory
     /// (killing it first if it runs). Blocks until it accepts connections.
     pub fn restart(&self) -> Result<(), NatsHarnessError> {
-        self.kill();
-        self.spawn()
-    }
-
-    /// Run `nats-server -js` on this server's port and directory, and wait
-    /// for its JetStream greeting.
-    fn spawn(&self) -> Result<(), NatsHarnessError> {
-        let binary = find_binary()?;
-        let log = self.dir.join("nats-server.log");
-        let child = Command::new(&binary)
-            .args([
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-sd",
-            ])
-            .arg(self.dir.join("store"))
-            .arg("-l")
-            .arg(&log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| NatsHarnessError::io(format!("run {}", binary.display()), e))?;
-        *self
-            .child
-            .lock()
-            .map_err(|_| NatsHarnessError::Client("the server's lock is poisoned".into()))? =
-            Some(child);
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let started = Instant::now();
-        loop {
-            if has_jetstream(&addr) {
-                return Ok(());
-            }
-            let exited = self
-                .child
-                .lock()
-                .ok()
-                .and_then(|mut c| c.as_mut().and_then(|c| c.try_wait().ok().flatten()));
-            if exited.is_some() || started.elapsed() > START_TIMEOUT {
-                let detail = match exited {
-                    Some(status) => format!("it exited with {status}"),
-                    None => format!("no JetStream greeting on {addr} after {START_TIMEOUT:?}"),
-                };
-                let log = std::fs::read_to_string(&log).unwrap_or_default();
-                return Err(NatsHarnessError::ServerDidNotStart { detail, log });
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.process.kill();
+        Ok(self.process.spawn()?)
     }
 
     /// Its client URL, `nats://127.0.0.1:PORT`.
     pub fn url(&self) -> &str {
-        &self.url
+        self.process.url()
     }
 
     /// Its temporary directory (store and log).
     pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    fn shut_down(&self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.process.dir()
     }
 }
 
 impl Drop for NatsServer {
     fn drop(&mut self) {
-        self.shut_down();
+        self.process.shut_down();
     }
 }
 
-static SHARED: OnceLock<Result<NatsServer, NatsHarnessError>> = OnceLock::new();
-
-extern "C" fn shut_down_shared_server() {
-    // Unwinding out of an extern "C" fn aborts; a failed cleanup must not
-    // turn a passing run into a crash.
-    let _ = std::panic::catch_unwind(|| {
-        if let Some(Ok(server)) = SHARED.get() {
-            server.shut_down();
-        }
-    });
-}
+static SHARED: Shared = Shared::new(&SPEC);
 
 /// The URL of the NATS server tests use (see the [module docs](self) for
 /// which). Blocking: the first call may start a server.
 pub fn url() -> Result<String, NatsHarnessError> {
-    match std::env::var("NATS_URL") {
-        Ok(url) if !url.is_empty() => return Ok(url),
-        _ => {}
-    }
-    if let Ok(addr) = DEFAULT_ADDR.parse() {
-        if has_jetstream(&addr) {
-            return Ok(format!("nats://{DEFAULT_ADDR}"));
-        }
-    }
-    let server = SHARED.get_or_init(|| {
-        let server = NatsServer::start()?;
-        // Statics are never dropped: without this the server would outlive
-        // the test binary.
-        // SAFETY: registers a plain extern "C" fn; libc keeps no other state for it.
-        unsafe {
-            libc::atexit(shut_down_shared_server);
-        }
-        Ok(server)
-    });
-    server.as_ref().map(|s| s.url.clone()).map_err(Clone::clone)
+    Ok(SHARED.url()?)
 }
 
 /// A client connected to [`url`], as a JetStream context.
@@ -332,47 +225,6 @@ fn all_threads_stopped(pid: libc::pid_t) -> bool {
             })
             .is_some_and(|state| state == 'T' || state == 't')
     })
-}
-
-fn find_binary() -> Result<PathBuf, NatsHarnessError> {
-    let mut searched = Vec::new();
-    if let Some(path) = std::env::var_os("IDEM_NATS_SERVER").filter(|p| !p.is_empty()) {
-        return Ok(PathBuf::from(path));
-    }
-    searched.push("IDEM_NATS_SERVER (unset)".to_owned());
-    if let Some(paths) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&paths) {
-            let candidate = dir.join("nats-server");
-            if candidate.is_file() {
-                return Ok(candidate);
-            }
-        }
-    }
-    searched.push("PATH".to_owned());
-    for candidate in ["/usr/sbin/nats-server", "/usr/bin/nats-server"] {
-        if Path::new(candidate).is_file() {
-            return Ok(candidate.into());
-        }
-        searched.push(candidate.to_owned());
-    }
-    Err(NatsHarnessError::NoServerBinary {
-        searched: searched.join(", "),
-    })
-}
-
-fn make_temp_dir() -> Result<PathBuf, NatsHarnessError> {
-    let dir = std::env::temp_dir().join(format!("idem-nats-{}", unique_suffix()));
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| NatsHarnessError::io(format!("create {}", dir.display()), e))?;
-    Ok(dir)
-}
-
-/// `PID_COUNTER_RANDOM`: unique across the tests of a process and across
-/// processes sharing one server.
-fn unique_suffix() -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{}_{n}_{:08x}", std::process::id(), random_u32())
 }
 
 /// A stream of a test's own: a unique name and one unique subject. Memory
