@@ -237,4 +237,26 @@ mod tests {
         assert!(!dir.exists(), "directory removed");
         assert!(!answers_ping(&addr), "stopped");
     }
+
+    /// The path [`url`] takes where no URL variable is set and nothing
+    /// usable is on the usual port (here a port that accepts connections
+    /// but never answers): a throwaway server, the same for later calls.
+    #[test]
+    fn without_a_usable_default_a_shared_throwaway_is_started() {
+        let silent = std::net::TcpListener::bind(("127.0.0.1", 0)).expect("a port");
+        let silent = silent.local_addr().expect("its address");
+        // Leaked like the statics they stand in for; the exit hook stops
+        // the server.
+        let spec: &'static Spec = Box::leak(Box::new(Spec {
+            url_var: "IDEM_TEST_UNSET_REDIS_URL",
+            default_port: silent.port(),
+            ..SPEC
+        }));
+        let shared: &'static Shared = Box::leak(Box::new(Shared::new(spec)));
+        let url = shared.url().expect("a throwaway redis-server");
+        assert_ne!(url, format!("redis://{silent}"), "not the silent port");
+        let addr: SocketAddr = url.trim_start_matches("redis://").parse().expect("addr");
+        assert!(answers_ping(&addr), "the throwaway answers");
+        assert_eq!(shared.url().expect("again"), url, "started once");
+    }
 }
