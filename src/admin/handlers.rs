@@ -4,8 +4,9 @@ use axum::extract::{OriginalUri, State};
 use axum::http::header::{CACHE_CONTROL, SET_COOKIE};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{Html, IntoResponse, Response};
-use idem_runtime::operate::{self, OperateError, Page};
+use idem_runtime::operate::{self, OperateError};
 
+use super::lists::{given, DeadList, Listing};
 use super::request::{base, page, Fields};
 use super::{csrf, pages, refuse, Admin};
 
@@ -122,7 +123,9 @@ pub(super) async fn overview(
     .into_response()
 }
 
-pub(super) async fn jobs(
+/// A dead list's page ([`DeadList`]): one page of the rows its filter
+/// names, with the pager under it.
+pub(super) async fn dead_list<L: DeadList>(
     State(admin): State<Admin>,
     OriginalUri(original): OriginalUri,
     uri: Uri,
@@ -132,81 +135,31 @@ pub(super) async fn jobs(
         Ok(q) => q,
         Err(refused) => return refused.into_response(),
     };
-    let kind = q.text("kind");
+    let filter = q.text(L::NAMES.filter);
     let page = page(&admin, &q);
-    let rows = match operate::dead_jobs(
-        &admin.pool,
-        Some(&kind).filter(|k| !k.is_empty()).map(|k| k.as_str()),
-        page,
-    )
-    .await
-    {
+    let rows = match L::rows(&admin.pool, given(&filter), page).await {
         Ok(rows) => rows,
         Err(e) => return admin.failed(e).await,
     };
     let base = base(&original, &uri);
     let token = admin.token(&headers);
-    let body = pages::dead_jobs(
-        &base,
-        &kind,
-        &rows,
-        token.as_ref().map(|(t, _)| t.as_str()),
-        admin.config.show_payloads,
-        page.limit,
-    );
-    let more = format!("{base}/jobs?kind={}", pages::query_value(&kind));
-    paged("Dead jobs", body, &more, page, rows.len(), token, base)
-}
-
-pub(super) async fn events(
-    State(admin): State<Admin>,
-    OriginalUri(original): OriginalUri,
-    uri: Uri,
-    headers: HeaderMap,
-) -> Response {
-    let q = match Fields::query(&uri).without_nul() {
-        Ok(q) => q,
-        Err(refused) => return refused.into_response(),
+    let list = Listing {
+        base: &base,
+        filter: &filter,
+        csrf: token.as_ref().map(|(t, _)| t.as_str()),
+        show_payloads: admin.config.show_payloads,
+        limit: page.limit,
     };
-    let key = q.text("key");
-    let page = page(&admin, &q);
-    let rows = match operate::dead_events(
-        &admin.pool,
-        Some(&key).filter(|k| !k.is_empty()).map(|k| k.as_str()),
-        page,
-    )
-    .await
-    {
-        Ok(rows) => rows,
-        Err(e) => return admin.failed(e).await,
-    };
-    let base = base(&original, &uri);
-    let token = admin.token(&headers);
-    let body = pages::dead_events(
-        &base,
-        &key,
-        &rows,
-        token.as_ref().map(|(t, _)| t.as_str()),
-        page.limit,
+    let mut body = L::render(&list, &rows);
+    let more = format!(
+        "{base}{}?{}={}",
+        L::NAMES.path,
+        L::NAMES.filter,
+        pages::query_value(&filter)
     );
-    let more = format!("{base}/events?key={}", pages::query_value(&key));
-    paged("Dead events", body, &more, page, rows.len(), token, base)
-}
-
-/// A list page: `body` with the pager under it (`more` is the list's address
-/// without its offset), in the page frame.
-fn paged(
-    title: &str,
-    mut body: String,
-    more: &str,
-    page: Page,
-    shown: usize,
-    token: Option<(String, bool)>,
-    base: String,
-) -> Response {
-    body.push_str(&pages::pager(more, page.offset, page.limit, shown));
+    body.push_str(&pages::pager(&more, page.offset, page.limit, rows.len()));
     Rendered {
-        title: title.into(),
+        title: L::NAMES.title.into(),
         body,
         token,
         base,

@@ -61,6 +61,7 @@ mod actions;
 mod config;
 mod csrf;
 mod handlers;
+mod lists;
 mod pages;
 mod request;
 
@@ -77,6 +78,7 @@ use axum::Router;
 pub use config::{AdminConfig, Authorize, MAX_PAGE_SIZE};
 
 use crate::Pool;
+use lists::{Events, Jobs};
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -100,9 +102,9 @@ where
     };
     Router::new()
         .route("/", get(handlers::overview))
-        .route("/jobs", get(handlers::jobs))
+        .route("/jobs", get(handlers::dead_list::<Jobs>))
         .route("/jobs/action", post(actions::jobs_action))
-        .route("/events", get(handlers::events))
+        .route("/events", get(handlers::dead_list::<Events>))
         .route("/events/action", post(actions::events_action))
         .route("/inbox", get(handlers::inbox))
         .route("/key", get(handlers::key))
