@@ -5,9 +5,10 @@ use axum::body::Bytes;
 use axum::extract::{OriginalUri, State};
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use idem_runtime::operate::{self, OperateError, Page};
+use idem_runtime::operate::{OperateError, Page};
 
 use super::handlers::Rendered;
+use super::lists::{given, DeadList};
 use super::request::{base, Fields};
 use super::{csrf, pages, refuse, Admin, Refusal};
 
@@ -78,25 +79,21 @@ impl Op {
     }
 }
 
-/// The ids an action names, as `parse` reads them: its one id, the ids
-/// selected on the page (at most a page), or the first `limit` of the form
-/// (at most a page) of those `all_matching` lists.
-async fn targets<T, F, Fut>(
+/// The ids an action names: its one id, the ids selected on the page (at
+/// most a page), or the first `limit` of the form (at most a page) of the
+/// rows `filter` names.
+async fn targets<L: DeadList>(
+    admin: &Admin,
     op: &Op,
     form: &Fields,
-    page_size: i64,
-    parse: impl Fn(&str) -> Option<T>,
-    all_matching: F,
-) -> Result<Vec<T>, OperateError>
-where
-    F: FnOnce(Page) -> Fut,
-    Fut: std::future::Future<Output = Result<Vec<T>, OperateError>>,
-{
+    filter: Option<&str>,
+) -> Result<Vec<L::Id>, OperateError> {
+    let page_size = admin.config.page_size;
     Ok(match op {
-        Op::One(_, id) => parse(id).into_iter().collect(),
+        Op::One(_, id) => id.parse().into_iter().collect(),
         Op::Selected(_) => form
             .all("id")
-            .filter_map(parse)
+            .filter_map(|id| id.parse().ok())
             .take(usize::try_from(page_size).unwrap_or(50))
             .collect(),
         Op::All(_) => {
@@ -104,139 +101,51 @@ where
                 .number("limit")
                 .unwrap_or(page_size)
                 .clamp(1, page_size);
-            all_matching(Page {
+            let page = Page {
                 limit: n,
                 offset: 0,
-            })
-            .await?
+            };
+            let rows = L::rows(&admin.pool, filter, page).await?;
+            rows.into_iter().map(L::id).collect()
         }
     })
 }
 
-fn result_page(
-    admin: &Admin,
-    headers: &HeaderMap,
-    base: String,
-    title: &str,
-    back: &str,
-    lines: &[String],
+/// A dead list's action ([`DeadList`]): requeue or discard what it names,
+/// one line for each id on the result page.
+pub(super) async fn dead_action<L: DeadList>(
+    State(admin): State<Admin>,
+    OriginalUri(original): OriginalUri,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
 ) -> Response {
+    let form = match action_form(&admin, &headers, &original, &body) {
+        Ok(form) => form,
+        Err(refused) => return refused.into_response(),
+    };
+    let Some(op) = op(&form) else {
+        return refuse(StatusCode::BAD_REQUEST, "No such action.");
+    };
+    let filter = form.text(L::NAMES.filter);
+    let ids = match targets::<L>(&admin, &op, &form, given(&filter)).await {
+        Ok(ids) => ids,
+        Err(e) => return admin.failed(e).await,
+    };
+    let mut lines = Vec::new();
+    for id in ids {
+        match L::act(&admin.pool, op.verb(), id).await {
+            Ok(line) => lines.push(line),
+            Err(e) => return admin.failed(e).await,
+        }
+    }
+    let base = base(&original, &uri);
+    let back = format!("{base}{}", L::NAMES.path);
     Rendered {
-        title: title.into(),
-        body: pages::done(back, lines),
-        token: admin.token(headers),
+        title: L::NAMES.title.into(),
+        body: pages::done(&back, &lines),
+        token: admin.token(&headers),
         base,
     }
     .into_response()
-}
-
-pub(super) async fn jobs_action(
-    State(admin): State<Admin>,
-    OriginalUri(original): OriginalUri,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let form = match action_form(&admin, &headers, &original, &body) {
-        Ok(form) => form,
-        Err(refused) => return refused.into_response(),
-    };
-    let Some(op) = op(&form) else {
-        return refuse(StatusCode::BAD_REQUEST, "No such action.");
-    };
-    let kind = form.text("kind");
-    let kind = Some(kind.as_str()).filter(|k| !k.is_empty());
-    let pool = &admin.pool;
-    let ids = targets(
-        &op,
-        &form,
-        admin.config.page_size,
-        |i| i.parse().ok(),
-        |page| async move {
-            let rows = operate::dead_jobs(pool, kind, page).await?;
-            Ok(rows.into_iter().map(|r| r.id).collect())
-        },
-    )
-    .await;
-    let ids = match ids {
-        Ok(ids) => ids,
-        Err(e) => return admin.failed(e).await,
-    };
-    let verb = op.verb();
-    let mut lines = Vec::new();
-    for id in ids {
-        let line = if verb == "requeue" {
-            match operate::requeue_job(&admin.pool, id).await {
-                Ok(r) => format!(
-                    "job {id}: {}",
-                    serde_json::to_value(r)
-                        .map(|v| v.as_str().unwrap_or("").to_owned())
-                        .unwrap_or_default()
-                ),
-                Err(e) => return admin.failed(e).await,
-            }
-        } else {
-            match operate::discard_job(&admin.pool, id).await {
-                Ok(true) => format!("job {id}: discarded"),
-                Ok(false) => format!("job {id}: not dead, left as it is"),
-                Err(e) => return admin.failed(e).await,
-            }
-        };
-        lines.push(line);
-    }
-    let base = base(&original, &uri);
-    let back = format!("{base}/jobs");
-    result_page(&admin, &headers, base, "Dead jobs", &back, &lines)
-}
-
-pub(super) async fn events_action(
-    State(admin): State<Admin>,
-    OriginalUri(original): OriginalUri,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let form = match action_form(&admin, &headers, &original, &body) {
-        Ok(form) => form,
-        Err(refused) => return refused.into_response(),
-    };
-    let Some(op) = op(&form) else {
-        return refuse(StatusCode::BAD_REQUEST, "No such action.");
-    };
-    let key = form.text("key");
-    let key = Some(key.as_str()).filter(|k| !k.is_empty());
-    let pool = &admin.pool;
-    let ids = targets(
-        &op,
-        &form,
-        admin.config.page_size,
-        |i| Some(i.to_owned()),
-        |page| async move {
-            let rows = operate::dead_events(pool, key, page).await?;
-            Ok(rows.into_iter().map(|r| r.id).collect())
-        },
-    )
-    .await;
-    let ids = match ids {
-        Ok(ids) => ids,
-        Err(e) => return admin.failed(e).await,
-    };
-    let verb = op.verb();
-    let mut lines = Vec::new();
-    for id in ids {
-        let done = if verb == "requeue" {
-            operate::requeue_event(&admin.pool, &id).await
-        } else {
-            operate::discard_event(&admin.pool, &id).await
-        };
-        lines.push(match done {
-            Ok(true) => format!("event {id}: {verb}d"),
-            Ok(false) => format!("event {id}: not dead, left as it is"),
-            Err(OperateError::Invalid(why)) => why,
-            Err(e) => return admin.failed(e).await,
-        });
-    }
-    let base = base(&original, &uri);
-    let back = format!("{base}/events");
-    result_page(&admin, &headers, base, "Dead events", &back, &lines)
 }
