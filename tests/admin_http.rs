@@ -450,8 +450,8 @@ async fn actions_say_what_they_did_to_each_id() {
             events,
             "op=discard_all&key=a&limit=9".into(),
             vec![
-                format!("<ul><li>event {a1}: discard"),
-                format!("<li>event {a2}: discard"),
+                format!("<ul><li>event {a1}: discarded</li>"),
+                format!("<li>event {a2}: discarded</li>"),
             ],
             vec![a3.clone()],
         ),

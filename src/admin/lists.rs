@@ -161,7 +161,14 @@ impl DeadList for Events {
             operate::discard_event(pool, &id).await
         };
         match done {
-            Ok(true) => Ok(format!("event {id}: {verb}d")),
+            Ok(true) => Ok(format!(
+                "event {id}: {}",
+                if verb == "requeue" {
+                    "requeued"
+                } else {
+                    "discarded"
+                }
+            )),
             Ok(false) => Ok(format!("event {id}: not dead, left as it is")),
             // An id that is no UUID spoils only its own line, not the action.
             Err(OperateError::Invalid(why)) => Ok(why),
