@@ -34,7 +34,9 @@ use async_nats::jetstream;
 
 use crate::server::{self, unique_suffix, Process, Shared, Spec};
 
-static SPEC: Spec = Spec {
+/// `nats-server -js` alone; a [cluster](crate::nats_cluster) node is the
+/// same program, found and awaited alike, run from a configuration file.
+pub(crate) static SPEC: Spec = Spec {
     program: "nats-server",
     program_var: "IDEM_NATS_SERVER",
     installed: &["/usr/sbin/nats-server", "/usr/bin/nats-server"],
@@ -193,7 +195,7 @@ pub async fn jetstream() -> Result<jetstream::Context, NatsHarnessError> {
 
 /// Whether a server greets on `addr` with JetStream enabled: the first line
 /// a NATS server sends is `INFO {json}`, whose `jetstream` field says so.
-fn has_jetstream(addr: &SocketAddr) -> bool {
+pub(crate) fn has_jetstream(addr: &SocketAddr) -> bool {
     let Ok(mut socket) = TcpStream::connect_timeout(addr, Duration::from_millis(300)) else {
         return false;
     };

@@ -1,7 +1,9 @@
 //! The throwaway servers behind [`nats`](crate::nats) and
 //! [`redis`](crate::redis): an installed program run on a free loopback port
 //! in a temporary directory of its own, the one a test process shares (shut
-//! down when the process exits), and the choice of server tests use.
+//! down when the process exits), and the choice of server tests use. The
+//! nodes of a [`nats_cluster`](crate::nats_cluster) are such programs too,
+//! on ports and in directories their cluster chooses.
 //!
 //! What sets one program apart is its [`Spec`]; each module turns a
 //! [`Failure`] into its own public error.
@@ -102,9 +104,9 @@ macro_rules! from_failure {
 }
 pub(crate) use from_failure;
 
-/// A server program started by the harness. Its owner
-/// [`shut_down`](Self::shut_down)s it: the public server types when dropped,
-/// the exit hook for a [`Shared`] one.
+/// A server program started by the harness. Its owner stops it: the public
+/// server types [`shut_down`](Self::shut_down) it when dropped, the exit hook
+/// a [`Shared`] one, a cluster its nodes (and their common directory).
 #[derive(Debug)]
 pub(crate) struct Process {
     spec: &'static Spec,
@@ -119,22 +121,14 @@ impl Process {
     /// Start the program on a free port of 127.0.0.1, in a new temporary
     /// directory. Blocks until it is ready.
     pub(crate) fn start(spec: &'static Spec) -> Result<Process, Failure> {
-        let binary = find_binary(spec)?;
         let port = TcpListener::bind(("127.0.0.1", 0))
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .map_err(|e| Failure::io("find a free TCP port on 127.0.0.1", e))?;
         let dir = std::env::temp_dir().join(format!("idem-{}-{}", spec.scheme, unique_suffix()));
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| Failure::io(format!("create {}", dir.display()), e))?;
-        let process = Process {
-            spec,
-            binary,
-            port,
-            url: loopback_url(spec, port),
-            dir,
-            child: Mutex::new(None),
-        };
+        let process = Process::new(spec, port, dir)?;
+        std::fs::create_dir_all(&process.dir)
+            .map_err(|e| Failure::io(format!("create {}", process.dir.display()), e))?;
         // Nothing owns them yet: a failed start must not leave a running
         // program or its directory behind.
         if let Err(failure) = process.spawn() {
@@ -142,6 +136,22 @@ impl Process {
             return Err(failure);
         }
         Ok(process)
+    }
+
+    /// The program found for `spec`, to run on `port` of 127.0.0.1 with its
+    /// files in `dir`, which the caller provides; nothing runs before
+    /// [`spawn`](Self::spawn). For servers whose port and directory are
+    /// chosen by their owner, e.g. a cluster node configured before its
+    /// first start.
+    pub(crate) fn new(spec: &'static Spec, port: u16, dir: PathBuf) -> Result<Process, Failure> {
+        Ok(Process {
+            spec,
+            binary: find_binary(spec)?,
+            port,
+            url: loopback_url(spec, port),
+            dir,
+            child: Mutex::new(None),
+        })
     }
 
     /// Its URL, `SCHEME://127.0.0.1:PORT`.
@@ -159,11 +169,17 @@ impl Process {
         &self.dir
     }
 
+    /// Its log file, in its directory, named after the program: where
+    /// [`Spec::args`] has it write, and what a failed start reports.
+    pub(crate) fn log(&self) -> PathBuf {
+        self.dir.join(format!("{}.log", self.spec.program))
+    }
+
     /// Run the program on this port and directory, and wait until it is
     /// ready. After a [`kill`](Self::kill), this is a restart that clients
     /// of the old one reconnect to.
     pub(crate) fn spawn(&self) -> Result<(), Failure> {
-        let log = self.dir.join(format!("{}.log", self.spec.program));
+        let log = self.log();
         let mut command = Command::new(&self.binary);
         (self.spec.args)(&mut command, self.port, &self.dir, &log);
         let child = command
@@ -196,6 +212,11 @@ impl Process {
             }
             std::thread::sleep(POLL);
         }
+    }
+
+    /// Whether the program runs: spawned, not killed, not exited.
+    pub(crate) fn is_running(&self) -> bool {
+        matches!(self.child().as_mut().map(Child::try_wait), Some(Ok(None)))
     }
 
     /// Kill the program (SIGKILL) and reap it, keeping its directory.

@@ -38,7 +38,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 
 use crate::scratch::random_u32;
-use node::{find_binary, launch, Node};
+use node::{launch, Node};
 
 /// The bound of every wait that the caller does not bound.
 const WAIT: Duration = Duration::from_secs(30);
@@ -122,7 +122,6 @@ impl NatsClusterError {
 #[derive(Debug)]
 pub struct NatsCluster {
     dir: PathBuf,
-    binary: PathBuf,
     nodes: Vec<Node>,
     /// The harness's own client, for stream info.
     admin: jetstream::Context,
@@ -133,7 +132,6 @@ impl NatsCluster {
     /// and the cluster answers JetStream requests (its meta leader is
     /// elected). Takes a few seconds. Must be called inside a Tokio runtime.
     pub async fn start() -> Result<NatsCluster, NatsClusterError> {
-        let binary = find_binary()?;
         let dir = std::env::temp_dir().join(format!(
             "idem-nats-cluster-{}-{:08x}",
             std::process::id(),
@@ -141,8 +139,8 @@ impl NatsCluster {
         ));
         std::fs::create_dir_all(&dir)
             .map_err(|e| NatsClusterError::io(format!("create {}", dir.display()), e))?;
-        let (launch_dir, launch_binary) = (dir.clone(), binary.clone());
-        let launched = blocking(move || launch(&launch_dir, &launch_binary)).await;
+        let launch_dir = dir.clone();
+        let launched = blocking(move || launch(&launch_dir)).await;
         let nodes = match launched {
             Ok(nodes) => nodes,
             Err(e) => {
@@ -170,12 +168,7 @@ impl NatsCluster {
                 return Err(e);
             }
         };
-        let cluster = NatsCluster {
-            dir,
-            binary,
-            nodes,
-            admin,
-        };
+        let cluster = NatsCluster { dir, nodes, admin };
         // JetStream answers once the servers have elected a meta leader. Asked
         // raw: async-nats 0.46 cannot parse nats-server 2.9's account info.
         let client = cluster.admin.client();
@@ -378,8 +371,7 @@ impl NatsCluster {
         if node.is_running() {
             return Ok(());
         }
-        let binary = self.binary.clone();
-        blocking(move || node.spawn(&binary)).await
+        blocking(move || node.spawn()).await
     }
 }
 

@@ -1,135 +1,137 @@
 //! One `nats-server` of a [`NatsCluster`](super::NatsCluster), and the
-//! launch of the three: configuration files, ports, the readiness check.
+//! launch of the three: configuration files and ports. Finding the program,
+//! starting it and waiting for its JetStream greeting are those of the
+//! single test server ([`server`](crate::server), [`nats`](crate::nats)).
 
-use std::io::{self, Read};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io;
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{NatsClusterError, PORT_ATTEMPTS, WAIT};
+use super::{NatsClusterError, PORT_ATTEMPTS};
+use crate::nats;
+use crate::server::{Failure, Process, Spec};
 
-/// One `nats-server` of the cluster. Clones share the process handle, so a
+/// The single server's program and readiness check, run from the node's
+/// configuration file.
+static NODE: Spec = Spec {
+    args: from_config,
+    ..nats::SPEC
+};
+
+/// The file in a node's directory that configures it.
+const CONFIG: &str = "nats-server.conf";
+
+/// The configuration names the ports, log and store, so that a restart
+/// brings the node back as itself; the harness's port and log are those
+/// written there.
+fn from_config(command: &mut Command, _port: u16, dir: &Path, _log: &Path) {
+    command.arg("-c").arg(dir.join(CONFIG));
+}
+
+/// One `nats-server` of the cluster. Clones share the process, so a
 /// blocking wait can run off the async worker thread.
 #[derive(Debug, Clone)]
 pub(super) struct Node {
     pub(super) name: String,
-    port: u16,
-    dir: PathBuf,
-    child: Arc<Mutex<Option<Child>>>,
+    process: Arc<Process>,
 }
 
 impl Node {
-    fn config_path(&self) -> PathBuf {
-        self.dir.join("nats-server.conf")
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.join("nats-server.log")
-    }
-
-    pub(super) fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    fn child(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
-        self.child.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Spawns the server on its configuration and waits until it greets
-    /// with JetStream enabled.
-    pub(super) fn spawn(&self, binary: &Path) -> Result<(), NatsClusterError> {
-        let child = Command::new(binary)
-            .arg("-c")
-            .arg(self.config_path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| NatsClusterError::io(format!("run {}", binary.display()), e))?;
-        *self.child() = Some(child);
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let started = Instant::now();
-        loop {
-            if has_jetstream(&addr) {
-                return Ok(());
-            }
-            let exited = self
-                .child()
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten());
-            if exited.is_some() || started.elapsed() > WAIT {
-                let detail = match exited {
-                    Some(status) => format!("it exited with {status}"),
-                    None => format!("no JetStream greeting on {addr} after {WAIT:?}"),
-                };
-                self.kill();
-                return Err(NatsClusterError::NodeDidNotStart {
-                    node: self.name.clone(),
-                    detail,
-                    log: std::fs::read_to_string(self.log_path()).unwrap_or_default(),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(50));
+    /// A node of this name on `port`, with its files in `dir`; not started.
+    fn new(name: String, port: u16, dir: PathBuf) -> Result<Node, NatsClusterError> {
+        match Process::new(&NODE, port, dir) {
+            Ok(process) => Ok(Node {
+                name,
+                process: Arc::new(process),
+            }),
+            Err(failure) => Err(cluster_error(failure, &name)),
         }
     }
 
+    fn dir(&self) -> &Path {
+        self.process.dir()
+    }
+
+    pub(super) fn url(&self) -> String {
+        self.process.url().to_owned()
+    }
+
+    /// Spawns the server on its configuration and waits until it greets
+    /// with JetStream enabled; a node that did not start is killed.
+    pub(super) fn spawn(&self) -> Result<(), NatsClusterError> {
+        self.process.spawn().map_err(|failure| {
+            self.kill();
+            cluster_error(failure, &self.name)
+        })
+    }
+
     pub(super) fn is_running(&self) -> bool {
-        matches!(self.child().as_mut().map(Child::try_wait), Some(Ok(None)))
+        self.process.is_running()
     }
 
     /// SIGKILL by pid (`Child::kill`), and reaped.
     pub(super) fn kill(&self) {
-        if let Some(mut child) = self.child().take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// SIGTERM by pid, then SIGKILL after `grace`.
     pub(super) fn stop(&self, grace: Duration) {
-        let Some(mut child) = self.child().take() else {
+        if self.process.signal(libc::SIGTERM).is_none() {
             return;
-        };
-        if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-            // SAFETY: plain syscall on our own child, which is not reaped yet.
-            unsafe {
-                libc::kill(pid, libc::SIGTERM);
-            }
         }
         let deadline = Instant::now() + grace;
-        while Instant::now() < deadline {
-            if !matches!(child.try_wait(), Ok(None)) {
-                return;
-            }
+        while self.process.is_running() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = child.kill();
-        let _ = child.wait();
+        // Reaps an exited server too.
+        self.process.kill();
+    }
+}
+
+/// The cluster's error for a failure of the server glue; `node` names the
+/// node that was being set up or started.
+fn cluster_error(failure: Failure, node: &str) -> NatsClusterError {
+    match failure {
+        Failure::NoBinary { searched } => NatsClusterError::NoServerBinary { searched },
+        Failure::DidNotStart { detail, log } => NatsClusterError::NodeDidNotStart {
+            node: node.to_owned(),
+            detail,
+            log,
+        },
+        // The cluster's error owns its io::Error; a failure just made is not
+        // shared yet, so this unwraps it.
+        Failure::Io { action, source } => NatsClusterError::io(
+            action,
+            Arc::try_unwrap(source)
+                .unwrap_or_else(|shared| io::Error::new(shared.kind(), shared.to_string())),
+        ),
     }
 }
 
 /// Writes the configurations and starts the three nodes; starts over on new
 /// ports when one of them was taken by another process in the meantime.
-pub(super) fn launch(dir: &Path, binary: &Path) -> Result<Vec<Node>, NatsClusterError> {
+pub(super) fn launch(dir: &Path) -> Result<Vec<Node>, NatsClusterError> {
     for attempt in 1..=PORT_ATTEMPTS {
         let ports = free_ports(6)?;
-        let nodes: Vec<Node> = (0..3)
-            .map(|i| Node {
-                name: format!("n{}", i + 1),
-                port: ports[i],
-                dir: dir.join(format!("n{}", i + 1)),
-                child: Arc::new(Mutex::new(None)),
+        let nodes = (0..3)
+            .map(|i| {
+                Node::new(
+                    format!("n{}", i + 1),
+                    ports[i],
+                    dir.join(format!("n{}", i + 1)),
+                )
             })
-            .collect();
+            .collect::<Result<Vec<Node>, _>>()?;
         for (i, node) in nodes.iter().enumerate() {
             let routes: Vec<u16> = (0..3).filter(|&j| j != i).map(|j| ports[3 + j]).collect();
             write_config(node, ports[3 + i], &routes)?;
         }
         let mut result = Ok(());
         for node in &nodes {
-            result = node.spawn(binary);
+            result = node.spawn();
             if result.is_err() {
                 break;
             }
@@ -144,7 +146,7 @@ pub(super) fn launch(dir: &Path, binary: &Path) -> Result<Vec<Node>, NatsCluster
                     return Err(e);
                 }
                 for node in &nodes {
-                    let _ = std::fs::remove_dir_all(&node.dir);
+                    let _ = std::fs::remove_dir_all(node.dir());
                 }
             }
         }
@@ -155,8 +157,9 @@ pub(super) fn launch(dir: &Path, binary: &Path) -> Result<Vec<Node>, NatsCluster
 /// A node's configuration file: clustering JetStream needs a server name,
 /// a cluster name with routes to the other nodes, and a store directory.
 fn write_config(node: &Node, cluster_port: u16, routes: &[u16]) -> Result<(), NatsClusterError> {
-    std::fs::create_dir_all(&node.dir)
-        .map_err(|e| NatsClusterError::io(format!("create {}", node.dir.display()), e))?;
+    let dir = node.dir();
+    std::fs::create_dir_all(dir)
+        .map_err(|e| NatsClusterError::io(format!("create {}", dir.display()), e))?;
     let quoted = |path: PathBuf| format!("{:?}", path.display().to_string());
     let routes: String = routes
         .iter()
@@ -164,17 +167,18 @@ fn write_config(node: &Node, cluster_port: u16, routes: &[u16]) -> Result<(), Na
         .collect();
     let config = format!(
         "server_name: {name}\n\
-         listen: \"127.0.0.1:{port}\"\n\
+         listen: \"{addr}\"\n\
          log_file: {log}\n\
          jetstream {{\n  store_dir: {store}\n  max_memory_store: 64MB\n  max_file_store: 256MB\n}}\n\
          cluster {{\n  name: idem_test\n  listen: \"127.0.0.1:{cluster_port}\"\n  routes: [\n{routes}  ]\n}}\n",
         name = node.name,
-        port = node.port,
-        log = quoted(node.log_path()),
-        store = quoted(node.dir.join("store")),
+        addr = node.process.addr(),
+        log = quoted(node.process.log()),
+        store = quoted(dir.join("store")),
     );
-    std::fs::write(node.config_path(), config)
-        .map_err(|e| NatsClusterError::io(format!("write {}", node.config_path().display()), e))
+    let path = dir.join(CONFIG);
+    std::fs::write(&path, config)
+        .map_err(|e| NatsClusterError::io(format!("write {}", path.display()), e))
 }
 
 /// `n` distinct ports of 127.0.0.1 that were free a moment ago: all bound at
@@ -189,39 +193,4 @@ fn free_ports(n: usize) -> Result<Vec<u16>, NatsClusterError> {
         .map(|l| l.local_addr().map(|a| a.port()))
         .collect::<io::Result<_>>()
         .map_err(|e| NatsClusterError::io("find free TCP ports on 127.0.0.1", e))
-}
-
-/// Whether a server greets on `addr` with JetStream enabled (its first line
-/// is `INFO {json}`). A copy of the helper in `nats.rs`, kept apart so the
-/// two modules can change independently.
-fn has_jetstream(addr: &SocketAddr) -> bool {
-    let Ok(mut socket) = TcpStream::connect_timeout(addr, Duration::from_millis(300)) else {
-        return false;
-    };
-    let _ = socket.set_read_timeout(Some(Duration::from_secs(1)));
-    let mut greeting = Vec::new();
-    let mut buf = [0_u8; 1024];
-    while !greeting.contains(&b'\n') && greeting.len() < 16 * 1024 {
-        match socket.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => greeting.extend_from_slice(&buf[..n]),
-        }
-    }
-    let line = String::from_utf8_lossy(&greeting);
-    line.starts_with("INFO ") && line.replace(' ', "").contains("\"jetstream\":true")
-}
-
-/// `IDEM_NATS_SERVER`, else `nats-server` on the `PATH`, else the system directories.
-pub(super) fn find_binary() -> Result<PathBuf, NatsClusterError> {
-    if let Some(path) = std::env::var_os("IDEM_NATS_SERVER").filter(|p| !p.is_empty()) {
-        return Ok(PathBuf::from(path));
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/usr/bin"].map(PathBuf::from))
-        .map(|dir| dir.join("nats-server"))
-        .find(|candidate| candidate.is_file())
-        .ok_or_else(|| NatsClusterError::NoServerBinary {
-            searched: "IDEM_NATS_SERVER, PATH, /usr/sbin, /usr/bin".into(),
-        })
 }
