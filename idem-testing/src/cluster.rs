@@ -9,6 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use crate::exit::at_exit;
 use crate::privilege::Runner;
 use crate::scratch::{free_port, make_temp_dir};
 use crate::HarnessError;
@@ -240,25 +241,16 @@ static SHARED: OnceLock<Result<Cluster, Arc<HarnessError>>> = OnceLock::new();
 pub(crate) fn shared_cluster() -> Result<&'static Cluster, HarnessError> {
     let cluster = SHARED.get_or_init(|| {
         let cluster = Cluster::start().map_err(Arc::new)?;
-        // Statics are never dropped, so the server would outlive the test binary without this.
-        // SAFETY: registers a plain extern "C" fn; libc keeps no other state for it.
-        unsafe {
-            libc::atexit(shut_down_shared_cluster);
-        }
+        at_exit(|| {
+            if let Some(Ok(cluster)) = SHARED.get() {
+                cluster.shut_down();
+            }
+        });
         Ok(cluster)
     });
     cluster
         .as_ref()
         .map_err(|e| HarnessError::SharedCluster(Arc::clone(e)))
-}
-
-extern "C" fn shut_down_shared_cluster() {
-    // Unwinding out of an extern "C" fn aborts; a failed cleanup must not turn a passing run into a crash.
-    let _ = std::panic::catch_unwind(|| {
-        if let Some(Ok(cluster)) = SHARED.get() {
-            cluster.shut_down();
-        }
-    });
 }
 
 fn run(cmd: &mut Command, action: &str) -> Result<Output, HarnessError> {

@@ -44,6 +44,7 @@
 mod cluster;
 mod database;
 mod error;
+mod exit;
 pub mod nats;
 pub mod nats_cluster;
 pub mod pgbouncer;

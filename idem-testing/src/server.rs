@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::exit::at_exit;
 use crate::scratch::random_u32;
 
 /// How long a started server gets to be ready.
@@ -287,7 +288,11 @@ impl Shared {
         }
         let started = self.started.get_or_init(|| {
             let process = Process::start(spec)?;
-            shut_down_at_exit(self);
+            at_exit(|| {
+                if let Some(Ok(process)) = self.started.get() {
+                    process.shut_down();
+                }
+            });
             Ok(process)
         });
         started
@@ -295,35 +300,6 @@ impl Shared {
             .map(|process| process.url.clone())
             .map_err(Clone::clone)
     }
-}
-
-/// The shared servers started so far. Statics are never dropped: without
-/// the exit hook, a shared server would outlive the test binary.
-static AT_EXIT: Mutex<Vec<&'static Shared>> = Mutex::new(Vec::new());
-
-fn shut_down_at_exit(shared: &'static Shared) {
-    let mut at_exit = AT_EXIT.lock().unwrap_or_else(PoisonError::into_inner);
-    if at_exit.is_empty() {
-        // SAFETY: registers a plain extern "C" fn; libc keeps no other state for it.
-        unsafe {
-            libc::atexit(shut_down_shared);
-        }
-    }
-    at_exit.push(shared);
-}
-
-extern "C" fn shut_down_shared() {
-    // Unwinding out of an extern "C" fn aborts; a failed cleanup must not
-    // turn a passing run into a crash.
-    let _ = std::panic::catch_unwind(|| {
-        let at_exit = AT_EXIT.lock().unwrap_or_else(PoisonError::into_inner);
-        for process in at_exit
-            .iter()
-            .filter_map(|s| s.started.get()?.as_ref().ok())
-        {
-            process.shut_down();
-        }
-    });
 }
 
 fn loopback_url(spec: &Spec, port: u16) -> String {

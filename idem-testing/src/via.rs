@@ -8,8 +8,9 @@
 //! `pg_stat_activity`, terminate a backend), which takes a session of their
 //! own, and they are not what is being tested.
 
-use std::sync::{Arc, Mutex, Once};
+use std::sync::{Arc, Mutex};
 
+use crate::exit::at_exit;
 use crate::pgbouncer::PgBouncer;
 use crate::url::{credentials, host_port};
 use crate::HarnessError;
@@ -71,36 +72,15 @@ pub(crate) fn shared_pgbouncer(server_url: &str) -> Result<&'static PgBouncer, H
         Some((_, entry)) => entry.clone(),
         None => {
             let started = PgBouncer::start(server_url)
-                // Never dropped: stopped by the atexit hook instead.
+                // Never dropped: stopped at exit instead.
                 .map(|bouncer| &*Box::leak(Box::new(bouncer)))
                 .map_err(Arc::new);
-            register_atexit();
+            if let Ok(bouncer) = started {
+                at_exit(|| bouncer.shut_down());
+            }
             shared.push((key, started.clone()));
             started
         }
     };
     entry.map_err(HarnessError::SharedPgBouncer)
-}
-
-fn register_atexit() {
-    static REGISTERED: Once = Once::new();
-    REGISTERED.call_once(|| {
-        // Statics are never dropped, so PgBouncer would outlive the test binary without this.
-        // SAFETY: registers a plain extern "C" fn; libc keeps no other state for it.
-        unsafe {
-            libc::atexit(shut_down_shared);
-        }
-    });
-}
-
-extern "C" fn shut_down_shared() {
-    // Unwinding out of an extern "C" fn aborts; a failed cleanup must not turn a passing run into a crash.
-    let _ = std::panic::catch_unwind(|| {
-        let shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
-        for (_, bouncer) in shared.iter() {
-            if let Ok(bouncer) = bouncer {
-                bouncer.shut_down();
-            }
-        }
-    });
 }

@@ -1,0 +1,42 @@
+//! Work for when the test process exits: the servers a process shares live
+//! in statics, which are never dropped, so without this they would outlive
+//! the test binary.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, Once, PoisonError};
+
+type Hook = Box<dyn FnOnce() + Send>;
+
+/// The hooks registered so far, in order.
+static HOOKS: Mutex<Vec<Hook>> = Mutex::new(Vec::new());
+
+/// Run `hook` when the process exits (its `main` returns or it calls
+/// `exit`). Hooks run last registered first, as atexit(3) runs its
+/// functions: a server started in front of another stops before it.
+pub(crate) fn at_exit(hook: impl FnOnce() + Send + 'static) {
+    static REGISTERED: Once = Once::new();
+    REGISTERED.call_once(|| {
+        // SAFETY: registers a plain extern "C" fn; libc keeps no other state for it.
+        unsafe {
+            libc::atexit(run_hooks);
+        }
+    });
+    lock().push(Box::new(hook));
+}
+
+// A panic elsewhere while the lock was held leaves the list as valid as
+// before; the servers must still be shut down.
+fn lock() -> std::sync::MutexGuard<'static, Vec<Hook>> {
+    HOOKS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+extern "C" fn run_hooks() {
+    // Taken out of the lock, so a hook may take it.
+    let hooks = std::mem::take(&mut *lock());
+    for hook in hooks.into_iter().rev() {
+        // Unwinding out of an extern "C" fn aborts; a failed cleanup must
+        // not turn a passing run into a crash, nor keep the other hooks
+        // from running. Nothing is looked at after a hook that panicked.
+        let _ = catch_unwind(AssertUnwindSafe(hook));
+    }
+}
