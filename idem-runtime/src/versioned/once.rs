@@ -98,7 +98,12 @@ pub enum CreateOnceError {
     },
     /// The row could not be inserted because another row holds one of its
     /// unique values (its primary key, another unique column), and no row
-    /// holds its key in this tenant (HTTP 409).
+    /// holds its key in this tenant (HTTP 409). Found by a second try: when
+    /// the first found no row under the key (it may have been deleted
+    /// between the INSERT and the read), the INSERT is sent once more. A
+    /// `BEFORE INSERT` trigger that drops the row (`RETURN NULL`) is
+    /// answered this way too: PostgreSQL reports a dropped row as it
+    /// reports a conflict, with no row.
     #[error("another row already holds one of this row's unique values (not its idempotency key); nothing was written")]
     Conflict,
     /// A column of the key (or the tenant) is NULL: NULLs never collide in a
@@ -233,29 +238,45 @@ async fn create_once<M: CreateOnceModel>(
     if row.__once_key_missing() {
         return Err(CreateOnceError::MissingKey);
     }
-    let inserted = row.__once_insert(conn).await.map_err(refused::<M>)?;
-    if let Some(created) = inserted {
-        return Ok(Creation::Created(created));
-    }
-    // Nothing written: some unique index already holds one of the row's
-    // values. This statement's fresh snapshot (READ COMMITTED) sees a winner
-    // the INSERT waited for.
-    match row.__once_read(conn).await? {
-        Some((existing, same)) => {
-            let fields: Vec<&'static str> = M::ONCE_FIELDS
-                .iter()
-                .zip(&same)
-                .filter(|(_, same)| !**same)
-                .map(|(name, _)| *name)
-                .collect();
-            if fields.is_empty() {
-                Ok(Creation::Existing(existing))
-            } else {
-                tracing::debug!(table = %M::table_sql(), ?fields, "create_once: key reused for another request");
-                Err(CreateOnceError::Mismatch { fields })
-            }
+    // A second try only when the first found neither a free key nor a row
+    // under it: the row it met may have been deleted between the INSERT and
+    // the read (READ COMMITTED; both statements see the table anew), and
+    // then the key is free. A second miss is answered as a conflict.
+    let mut tries = 2;
+    loop {
+        tries -= 1;
+        let inserted = row.__once_insert(conn).await.map_err(refused::<M>)?;
+        if let Some(created) = inserted {
+            return Ok(Creation::Created(created));
         }
-        None => Err(CreateOnceError::Conflict),
+        // Nothing written: some unique index already holds one of the row's
+        // values. This statement's fresh snapshot (READ COMMITTED) sees a
+        // winner the INSERT waited for.
+        match row.__once_read(conn).await? {
+            Some((existing, same)) => return repeat::<M>(existing, same),
+            None if tries == 0 => return Err(CreateOnceError::Conflict),
+            None => {}
+        }
+    }
+}
+
+/// The row under the key, as the answer to a repeat: `Existing` when every
+/// declared field is the same (`same`, in `ONCE_FIELDS` order).
+fn repeat<M: CreateOnceModel>(
+    existing: M,
+    same: Vec<bool>,
+) -> Result<Creation<M>, CreateOnceError> {
+    let fields: Vec<&'static str> = M::ONCE_FIELDS
+        .iter()
+        .zip(&same)
+        .filter(|(_, same)| !**same)
+        .map(|(name, _)| *name)
+        .collect();
+    if fields.is_empty() {
+        Ok(Creation::Existing(existing))
+    } else {
+        tracing::debug!(table = %M::table_sql(), ?fields, "create_once: key reused for another request");
+        Err(CreateOnceError::Mismatch { fields })
     }
 }
 

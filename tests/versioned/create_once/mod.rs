@@ -17,6 +17,7 @@ use scoped_futures::ScopedFutureExt;
 use tokio::sync::Barrier;
 
 mod guard;
+mod limits;
 
 diesel::table! {
     shop_orders (tenant_id, id) {
