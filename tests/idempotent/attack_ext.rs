@@ -244,6 +244,29 @@ async fn attack_ext_body_swaps_idem_statement_unseen() {
     assert_eq!(records_of(&env, "swap-later").await, 1);
 }
 
+/// A body swaps, unseen, the prepared `BEGIN` of the next call for a
+/// `SELECT`: what runs under its name opens no transaction, and the lock,
+/// the read and the body would each commit on their own, the effect
+/// without its record. The connection goes before the body runs, and the
+/// call runs on another, once, with its record (before the check: the
+/// effect committed, no record, `TransactionEnded`, and every later call
+/// on that connection the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack_ext_body_swaps_the_prepared_begin_unseen() {
+    let env = env(2).await;
+    if transaction_pooling(&env) {
+        return; // nothing of idem's is prepared behind a transaction pooler
+    }
+    let pool = pool_of(&env.db, 1);
+    healthy(&env, &pool, "begin-warm", 1).await;
+    let swap = "DO $$ BEGIN EXECUTE 'DEALLOCATE idem_begin_read_committed_v1'; \
+                EXECUTE 'PREPARE idem_begin_read_committed_v1 AS SELECT 1'; END $$";
+    let r = body_runs(&pool, "begin-swap", "begin-swap", swap).await;
+    assert!(matches!(&r, Ok(v) if !v.replayed), "{r:?}");
+    // Each call's effect once, and its repeat a replay (its record).
+    healthy(&env, &pool, "begin-next", 2).await;
+}
+
 /// The same swap, visible: `DEALLOCATE ALL` then `PREPARE` of the names of
 /// the next generation, which idem must parse again (and meet taken).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool::managed::Object;
-use diesel::result::Error as DieselError;
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::QueryResult;
 use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{
@@ -97,6 +97,12 @@ pub enum CommitFailure {
     /// nothing was committed.
     SavepointOpen,
 }
+
+/// The error of a `BEGIN` that opened no transaction; it reads as a lost
+/// connection, which the retry loop's checkout replaces at once.
+const NOT_BEGUN: &str =
+    "idem: the statement sent as BEGIN opened no transaction (a statement of the \
+     application's stands under a name idem reserves, idem_..); the connection was closed";
 
 /// Why `BEGIN` failed; the connection is already discarded.
 pub(crate) struct BeginFailure(pub(crate) DieselError);
@@ -173,6 +179,19 @@ impl Tx {
         };
         tx.begun = wire.marks();
         match begun {
+            // What ran under idem's name for `BEGIN` opened no transaction:
+            // a statement of the application's stands there (prepared inside
+            // a function, where the wire cannot see it). The body must not
+            // run with each statement its own transaction; the connection
+            // goes, and another is tried.
+            Ok(()) if !wire.in_block() => {
+                tracing::error!("the statement sent as BEGIN opened no transaction: another statement stands under its name; closing the connection");
+                tx.discard();
+                Err(BeginFailure(DieselError::DatabaseError(
+                    DatabaseErrorKind::ClosedConnection,
+                    Box::new(NOT_BEGUN.to_owned()),
+                )))
+            }
             Ok(()) => {
                 if let Some((rows, first)) = rows {
                     tx.opened = Some(pipeline::captured(rows, first));
