@@ -24,6 +24,7 @@ use tokio::sync::{Barrier, Semaphore};
 mod test_pool;
 
 mod attack;
+mod attack_body;
 mod attack_ext;
 mod attack_savepoint;
 mod attack_wire;

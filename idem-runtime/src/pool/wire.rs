@@ -72,7 +72,8 @@ pub(crate) struct Marks {
     /// requests in which a statement ran outside a transaction block (after
     /// a body's own `ROLLBACK`, say), which committed on its own.
     commits: u64,
-    /// `BEGIN` and `START TRANSACTION` completed.
+    /// `BEGIN` and `START TRANSACTION` completed, and `ROLLBACK AND CHAIN`
+    /// (which begins the next transaction in the same statement).
     begins: u64,
 }
 
@@ -122,6 +123,10 @@ struct State {
     /// When each request not yet answered was sent (a `Query` or a `Sync`
     /// ends one, and each is answered by one `ReadyForQuery`).
     sent: VecDeque<Instant>,
+    /// For each of those, whether its text names `CHAIN`.
+    chained: VecDeque<bool>,
+    /// A `ROLLBACK` tag in the request being answered.
+    rolled_back: bool,
     /// When the last `ReadyForQuery` arrived.
     answered: Option<Instant>,
     /// What rides on the next request.
@@ -321,13 +326,14 @@ impl Wire {
     /// a thread preempted between the write and the clock would date the
     /// requests late, and a lock timeout that ran its full bound would look
     /// shorter than the loop's own (see [`crate::cause::from_sqlstate`]).
-    fn on_sent(&self, requests: usize, rewritten: bool, at: Instant) {
+    fn on_sent(&self, requests: &[bool], rewritten: bool, at: Instant) {
         let mut state = self.state();
         if rewritten {
             let ahead = state.sent.len();
             state.ride.on_written(ahead);
         }
-        state.sent.extend(std::iter::repeat_n(at, requests));
+        state.sent.extend(std::iter::repeat_n(at, requests.len()));
+        state.chained.extend(requests);
     }
 
     fn on_error(&self, code: [u8; 5], fatal: bool) {
@@ -361,6 +367,13 @@ impl Wire {
     fn on_ready(&self, status: u8) {
         let mut state = self.state();
         state.sent.pop_front();
+        // `ROLLBACK AND CHAIN` ends the transaction and begins another in
+        // one statement, with `ROLLBACK TO SAVEPOINT`'s tag and no idle
+        // status between: told apart by its text, it counts as a begin.
+        let chained = state.chained.pop_front().unwrap_or(false);
+        if std::mem::take(&mut state.rolled_back) && chained && status != b'I' {
+            state.marks.begins += 1;
+        }
         state.ride.on_ready();
         state.answered = Some(Instant::now());
         if state.status == b'I' && status != b'I' {
@@ -401,6 +414,7 @@ impl Wire {
             b"ROLLBACK" => {
                 state.rollbacks += 1;
                 state.outside = true;
+                state.rolled_back = true;
             }
             b"COMMIT" | b"PREPARE TRANSACTION" => {
                 state.marks.commits += 1;

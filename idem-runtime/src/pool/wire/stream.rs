@@ -28,6 +28,19 @@ pub(crate) struct Observed<S> {
     /// written to the socket, and how much of it is.
     owed: Vec<u8>,
     owed_at: usize,
+    /// A statement bound since the last `Sync` names `CHAIN`.
+    chain: bool,
+    /// The prepared statements (by name) whose text names `CHAIN`.
+    chained: Vec<Vec<u8>>,
+}
+
+/// Whether a statement's text holds the word `chain`, in any case: what
+/// `ROLLBACK AND CHAIN` (or `ABORT AND CHAIN`) must say, and what a
+/// `ROLLBACK TO SAVEPOINT` of the same tag does not, unless a name in the
+/// same request says it too (then a savepoint's rollback is taken for the
+/// transaction's end: the call fails, nothing commits).
+fn names_chain(text: &[u8]) -> bool {
+    text.windows(5).any(|w| w.eq_ignore_ascii_case(b"chain"))
 }
 
 impl<S> Observed<S> {
@@ -39,6 +52,8 @@ impl<S> Observed<S> {
             frontend: Framer::new(true),
             owed: Vec::new(),
             owed_at: 0,
+            chain: false,
+            chained: Vec::new(),
         }
     }
 
@@ -78,14 +93,48 @@ impl<S> Observed<S> {
     /// `bytes` went out (a ride's unit when `rewritten`); their write began
     /// `at`.
     fn written_at(&mut self, bytes: &[u8], at: Instant, rewritten: bool) {
-        let mut requests = 0;
+        // One per request: whether a statement it runs names `CHAIN` (see
+        // `Wire::on_ready`): a `Query`'s text, or the text a `Bind`'s
+        // statement was parsed from (tokio-postgres prepares in a request
+        // of its own, and runs the statement in the next).
+        let mut requests = Vec::new();
+        let (chain, chained) = (&mut self.chain, &mut self.chained);
         self.frontend.feed(
             bytes,
-            |_| 0,
-            |kind, _| requests += usize::from(matches!(kind, b'Q' | b'S')),
+            |kind| match kind {
+                b'Q' | b'P' => usize::MAX,
+                b'B' | b'C' => KEPT,
+                _ => 0,
+            },
+            |kind, body| match kind {
+                b'Q' => {
+                    *chain |= names_chain(body);
+                    requests.push(std::mem::take(chain));
+                }
+                b'S' => requests.push(std::mem::take(chain)),
+                b'P' => {
+                    let mut fields = body.split(|b| *b == 0);
+                    let name = fields.next().unwrap_or_default();
+                    let text = fields.next().unwrap_or_default();
+                    chained.retain(|n| n != name);
+                    if names_chain(text) {
+                        chained.push(name.to_vec());
+                    }
+                }
+                b'B' => {
+                    let statement = body.split(|b| *b == 0).nth(1).unwrap_or_default();
+                    *chain |= chained.iter().any(|n| n == statement);
+                }
+                // Close of a statement (`S`): its name may be parsed anew.
+                b'C' if body.first() == Some(&b'S') => {
+                    let name = body[1..].split(|b| *b == 0).next().unwrap_or_default();
+                    chained.retain(|n| n != name);
+                }
+                _ => {}
+            },
         );
-        if requests > 0 {
-            self.wire.on_sent(requests, rewritten, at);
+        if !requests.is_empty() {
+            self.wire.on_sent(&requests, rewritten, at);
         }
     }
 }
