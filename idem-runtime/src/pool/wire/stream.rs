@@ -34,6 +34,10 @@ pub(crate) struct Observed<S> {
     chained: Vec<Vec<u8>>,
 }
 
+/// How much of a `Bind` or a `Close` is read: its names (a portal's and a
+/// statement's, or one of them), which tokio-postgres keeps short.
+const NAMES: usize = 256;
+
 /// Whether a statement's text holds the word `chain`, in any case: what
 /// `ROLLBACK AND CHAIN` (or `ABORT AND CHAIN`) must say, and what a
 /// `ROLLBACK TO SAVEPOINT` of the same tag does not, unless a name in the
@@ -103,7 +107,8 @@ impl<S> Observed<S> {
             bytes,
             |kind| match kind {
                 b'Q' | b'P' => usize::MAX,
-                b'B' | b'C' => KEPT,
+                // Names only: a `Bind`'s values after them are not read.
+                b'B' | b'C' => NAMES,
                 _ => 0,
             },
             |kind, body| match kind {
