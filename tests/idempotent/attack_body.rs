@@ -170,7 +170,7 @@ async fn attack_body_rollback_and_chain_drops_the_deadline() {
 
 /// Fresh keys, each called twice, on `pool`: `(first, replay)` outcomes and
 /// effects written, for a report instead of a panic.
-async fn next_callers(env: &Env, pool: &Pool, tag: &str) -> (Vec<String>, i64) {
+pub(super) async fn next_callers(env: &Env, pool: &Pool, tag: &str) -> (Vec<String>, i64) {
     let before = env.effects(tag).await;
     let mut out = Vec::new();
     for i in 0..3 {
@@ -190,7 +190,7 @@ async fn next_callers(env: &Env, pool: &Pool, tag: &str) -> (Vec<String>, i64) {
 
 /// A plain transaction (no key) that runs `sql`.
 #[retryable(max = 1, deadline_ms = 5000)]
-async fn plain(conn: &mut AsyncPgConnection, sql: &str) -> Result<(), AppError> {
+pub(super) async fn plain(conn: &mut AsyncPgConnection, sql: &str) -> Result<(), AppError> {
     conn.batch_execute(sql).await?;
     Ok(())
 }

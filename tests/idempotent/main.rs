@@ -26,6 +26,7 @@ mod test_pool;
 mod attack;
 mod attack_body;
 mod attack_ext;
+mod attack_open;
 mod attack_savepoint;
 mod attack_wire;
 mod closing;
