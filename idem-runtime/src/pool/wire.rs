@@ -94,6 +94,16 @@ pub(crate) struct Refusal {
     pub(crate) ran: Duration,
 }
 
+/// A request sent and not yet answered (a `Query` or a `Sync` ends one,
+/// and each is answered by one `ReadyForQuery`).
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    /// When its write began.
+    at: Instant,
+    /// Whether a statement it runs names `CHAIN` (see [`Wire::on_ready`]).
+    chained: bool,
+}
+
 #[derive(Debug, Default)]
 struct State {
     /// The status of the last `ReadyForQuery`: `I`, `T` or `E`; 0 before it.
@@ -120,11 +130,8 @@ struct State {
     /// Every refusal of the current (or just ended) transaction, those a
     /// rollback to a savepoint undid included (rarely more than one).
     refusals: Vec<Refusal>,
-    /// When each request not yet answered was sent (a `Query` or a `Sync`
-    /// ends one, and each is answered by one `ReadyForQuery`).
-    sent: VecDeque<Instant>,
-    /// For each of those, whether its text names `CHAIN`.
-    chained: VecDeque<bool>,
+    /// The requests not yet answered, in order.
+    sent: VecDeque<Sent>,
     /// A `ROLLBACK` tag in the request being answered.
     rolled_back: bool,
     /// When the last `ReadyForQuery` arrived.
@@ -332,8 +339,9 @@ impl Wire {
             let ahead = state.sent.len();
             state.ride.on_written(ahead);
         }
-        state.sent.extend(std::iter::repeat_n(at, requests.len()));
-        state.chained.extend(requests);
+        state
+            .sent
+            .extend(requests.iter().map(|&chained| Sent { at, chained }));
     }
 
     fn on_error(&self, code: [u8; 5], fatal: bool) {
@@ -347,7 +355,7 @@ impl Wire {
             state.forget_prepared();
             state.losses += 1;
         }
-        let started = match (state.sent.front().copied(), state.answered) {
+        let started = match (state.sent.front().map(|s| s.at), state.answered) {
             (Some(sent), Some(answered)) => sent.max(answered),
             (sent, answered) => sent.or(answered).unwrap_or(now),
         };
@@ -366,11 +374,10 @@ impl Wire {
 
     fn on_ready(&self, status: u8) {
         let mut state = self.state();
-        state.sent.pop_front();
         // `ROLLBACK AND CHAIN` ends the transaction and begins another in
         // one statement, with `ROLLBACK TO SAVEPOINT`'s tag and no idle
         // status between: told apart by its text, it counts as a begin.
-        let chained = state.chained.pop_front().unwrap_or(false);
+        let chained = state.sent.pop_front().is_some_and(|s| s.chained);
         if std::mem::take(&mut state.rolled_back) && chained && status != b'I' {
             state.marks.begins += 1;
         }
