@@ -81,6 +81,16 @@ pub enum Error {
     /// replayed: the body would do the same again. A bug in the body (500).
     #[error("the body returned with a savepoint still open (a conn.transaction(..) whose future was dropped before it finished?): nothing was committed; not replayed")]
     SavepointOpen,
+    /// The body swapped the connection it was lent for another
+    /// (`std::mem::replace` or `swap` through the `&mut`): idem committed
+    /// nothing. It closed the connection swapped in, which rolls back what
+    /// the body had begun there; idem's own transaction stays with the
+    /// connection the body took, and rolls back when that one closes. Only
+    /// what the body wrote outside any transaction on a connection of its
+    /// own is kept (as any write through a second connection would be). Not
+    /// replayed: the body would do the same again. A bug in the body (500).
+    #[error("the body swapped the connection it was lent for another: idem committed nothing, and closed the connection swapped in; not replayed")]
+    ConnectionReplaced,
     /// Local mode: the transaction committed, but the statement that writes
     /// the key's record wrote no row, because a statement of the
     /// application's stood under the name of idem's (prepared inside a

@@ -28,6 +28,7 @@
 //! hook, which it does not offer for Unix sockets). `sslmode=prefer`, the
 //! default, connects without TLS, as diesel-async's own `establish` does.
 
+mod identity;
 mod wire;
 
 use std::ops::{Deref, DerefMut};
@@ -141,6 +142,14 @@ pub enum Pooler {
     ///
     /// The time zone and client encoding diesel-async sets on connect are
     /// parameters PgBouncer tracks and restores per client, so they stay.
+    /// Session state your own code commits stays on the server connection
+    /// too: a `SET ROLE`, `SET default_transaction_read_only = on` or `SET
+    /// SESSION CHARACTERISTICS` in a body makes idem's statements fail on
+    /// every later transaction that server connection runs, for any client.
+    /// On a direct connection idem closes a connection whose session it sees
+    /// changed that way; behind a pooler that closes only its connection to
+    /// the pooler. Keep to `SET LOCAL`, or have PgBouncer reset its server
+    /// connections (`server_reset_query_always = 1`).
     /// Everything idem runs through the pool is inside a transaction, and its
     /// per-attempt settings are `SET LOCAL`, which end with it. Code of your
     /// own on a pooled connection should keep to transactions too: a
@@ -253,6 +262,17 @@ impl Connection {
     /// Its pool's [`Replication`].
     pub(crate) fn replication(&self) -> Replication {
         self.replication
+    }
+
+    /// Whether the `AsyncPgConnection` it holds still talks to the session
+    /// its wire watches: not when a body swapped in a connection of its own
+    /// through the `&mut` it was lent (see [`identity`]). Nothing is sent.
+    /// True when the server gave no key to compare (none seen on the wire).
+    pub(crate) async fn holds_its_session(&self) -> bool {
+        match self.wire.backend_key() {
+            Some(key) => identity::backend_key(&self.conn).await == Some(key),
+            None => true,
+        }
     }
 }
 
@@ -367,6 +387,25 @@ impl deadpool::managed::Manager for Manager {
         if obj.wire.foreign_encoding().is_some() {
             return Err(deadpool::managed::RecycleError::message(
                 "its client_encoding is no longer UTF8",
+            ));
+        }
+        // Session state a body committed (a read-only default, another
+        // session user) would refuse idem's statements on every later call.
+        // One not reported (`SET ROLE` by a user without superuser rights)
+        // shows as a refusal for rights or read-only in the last
+        // transaction: such a connection goes too, at the cost of a new one.
+        if let Some(drift) = obj.wire.session_drift() {
+            return Err(deadpool::managed::RecycleError::message(drift));
+        }
+        if obj.wire.refused_for_session() {
+            return Err(deadpool::managed::RecycleError::message(
+                "its last transaction was refused for rights or as read-only",
+            ));
+        }
+        // A connection a body swapped in for its own.
+        if !obj.holds_its_session().await {
+            return Err(deadpool::managed::RecycleError::message(
+                "it is not the session it was made with (a body swapped it)",
             ));
         }
         Ok(())

@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 mod frame;
+mod reported;
 mod ride;
 mod stream;
 
@@ -147,9 +148,9 @@ struct State {
     /// Refusals so far that said one of idem's statements was lost
     /// ([`loses_statements`]).
     losses: u64,
-    /// The session's `client_encoding`, when the server said it is not
-    /// UTF8 (tokio-postgres sets UTF8; a body's `SET` can change it).
-    foreign_encoding: Option<String>,
+    /// What the server reported of the session unasked: its key, and
+    /// parameters whose change would poison it for idem.
+    reported: reported::Reported,
 }
 
 /// SQLSTATE `invalid_sql_statement_name`: a `Bind` (or `EXECUTE`) of a
@@ -251,17 +252,28 @@ impl Wire {
     /// The session's client encoding, when it is not UTF8: values written
     /// as UTF-8 are then read in another encoding.
     pub(crate) fn foreign_encoding(&self) -> Option<String> {
-        self.state().foreign_encoding.clone()
+        self.state().reported.foreign_encoding()
     }
 
-    /// A `ParameterStatus` body: a name and a value, each NUL-terminated.
+    /// The backend's process id and secret, as the server gave them at
+    /// start-up: what names the server session this wire watches.
+    pub(crate) fn backend_key(&self) -> Option<[u8; 8]> {
+        self.state().reported.key()
+    }
+
+    /// Session state committed since start-up that would refuse idem's
+    /// statements on later calls (a read-only default, another session
+    /// user), said for a log line (see [`reported`]).
+    pub(crate) fn session_drift(&self) -> Option<String> {
+        self.state().reported.drift()
+    }
+
     fn on_parameter(&self, body: &[u8]) {
-        let mut parts = body.split(|&b| b == 0);
-        if parts.next() == Some(b"client_encoding") {
-            let value = parts.next().unwrap_or_default();
-            self.state().foreign_encoding = (!value.eq_ignore_ascii_case(b"UTF8"))
-                .then(|| String::from_utf8_lossy(value).into_owned());
-        }
+        self.state().reported.on_parameter(body);
+    }
+
+    fn on_key(&self, body: &[u8]) {
+        self.state().reported.on_key(body);
     }
 
     fn riding(&self) -> bool {
@@ -370,6 +382,15 @@ impl Wire {
     /// Every refusal of the current (or just ended) transaction.
     pub(crate) fn refusals(&self) -> Vec<Refusal> {
         self.state().refusals.clone()
+    }
+
+    /// Whether the current (or just ended) transaction was refused for
+    /// the session's rights or as read-only (`42501`, `25006`): what a
+    /// session state a body committed and the server does not report
+    /// (`SET ROLE`) looks like from here.
+    pub(crate) fn refused_for_session(&self) -> bool {
+        let session = |r: &Refusal| matches!(&r.code, b"42501" | b"25006");
+        self.state().refusals.iter().any(session)
     }
 
     fn on_ready(&self, status: u8) {

@@ -449,6 +449,7 @@ impl<'p> RetryLoop<'p> {
             }
             CommitFailure::Failed(err) => (Error::Commit(err), "commit_failed"),
             CommitFailure::SavepointOpen => (Error::SavepointOpen, "savepoint_open"),
+            CommitFailure::Replaced => (Error::ConnectionReplaced, "connection_replaced"),
         };
         self.done(Err(E::from(err)), label)
     }

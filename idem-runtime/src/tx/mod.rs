@@ -96,6 +96,9 @@ pub enum CommitFailure {
     /// SAVEPOINT`: the connection was closed with its transaction open, and
     /// nothing was committed.
     SavepointOpen,
+    /// The body swapped the connection it was lent for another: nothing was
+    /// committed, the one swapped in was closed.
+    Replaced,
 }
 
 /// The error of a `BEGIN` that opened no transaction; it reads as a lost
@@ -418,6 +421,13 @@ impl Tx {
     /// the body dropped may still run. One still running then is cancelled
     /// with its transaction: nothing is committed, for certain.
     pub(crate) async fn refuse(&mut self, timeout: Duration) -> Option<CommitFailure> {
+        // Checked first: every other check reads the wire, which watches
+        // the session idem began on, not the one swapped in.
+        if !self.holds_its_session().await {
+            tracing::error!("the body swapped the connection it was lent for another; not committing, closing the one swapped in (what the body began on it rolls back)");
+            self.discard();
+            return Some(CommitFailure::Replaced);
+        }
         if let Some(wire) = self.wire() {
             if !wire.settled(timeout).await {
                 tracing::warn!("a statement of the transaction still runs at COMMIT (its future was dropped?); rolling back");
@@ -435,6 +445,15 @@ impl Tx {
         };
         self.roll_back(timeout).await;
         Some(refusal)
+    }
+
+    /// Whether the connection in the transaction's slot is still the one
+    /// it began on (see [`crate::pool::Connection::holds_its_session`]).
+    async fn holds_its_session(&self) -> bool {
+        match self.conn.as_ref() {
+            Some(conn) => conn.holds_its_session().await,
+            None => true,
+        }
     }
 
     /// After a `COMMIT` or `ROLLBACK` diesel-async answered `Ok`: whether a

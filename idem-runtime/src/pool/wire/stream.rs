@@ -66,7 +66,7 @@ impl<S> Observed<S> {
     pub(super) fn read(&mut self, bytes: &[u8]) -> Vec<(usize, usize)> {
         let wire = &self.wire;
         let keep = |kind| match kind {
-            b'Z' | b'E' | b'C' | b'S' => KEPT,
+            b'Z' | b'E' | b'C' | b'S' | b'K' => KEPT,
             b'D' if wire.keeps_rows() => usize::MAX,
             _ => 0,
         };
@@ -78,6 +78,7 @@ impl<S> Observed<S> {
                 b'Z' => wire.on_ready(body.first().copied().unwrap_or(0)),
                 b'1' => wire.on_parsed(),
                 b'S' => wire.on_parameter(body),
+                b'K' => wire.on_key(body),
                 b'D' => wire.on_row(body),
                 b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), fatal(body)),
                 b'C' => wire.on_complete(body.strip_suffix(&[0]).unwrap_or(body)),
