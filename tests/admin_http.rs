@@ -362,7 +362,7 @@ async fn the_lists_keep_their_filter_across_pages() {
                 requeue(&first),
                 "<input name=\"key\" value=\"a b\">".into(),
                 "<input type=\"hidden\" name=\"key\" value=\"a b\">".into(),
-                "<span class=\"note\">rows 1–1</span> <a href=\"/admin/events?key=a%20b&offset=1\">next »</a>".into(),
+                "<span class=\"note\">rows 1–1</span> <a href=\"/admin/events?key=a%20b&amp;offset=1\">next »</a>".into(),
             ],
             vec![second.clone(), other.clone()],
         ),
@@ -370,7 +370,7 @@ async fn the_lists_keep_their_filter_across_pages() {
             "/admin/events?key=a%20b&offset=1",
             vec![
                 requeue(&second),
-                "<a href=\"/admin/events?key=a%20b&offset=0\">« previous</a> <span class=\"note\">rows 2–2</span>".into(),
+                "<a href=\"/admin/events?key=a%20b&amp;offset=0\">« previous</a> <span class=\"note\">rows 2–2</span>".into(),
             ],
             vec![first.clone()],
         ),
@@ -383,7 +383,7 @@ async fn the_lists_keep_their_filter_across_pages() {
         // No filter: every dead event, the pager's address without one.
         (
             "/admin/events",
-            vec![first.clone(), "href=\"/admin/events?key=&offset=1\"".into()],
+            vec![first.clone(), "href=\"/admin/events?key=&amp;offset=1\"".into()],
             vec![],
         ),
         (
@@ -391,7 +391,7 @@ async fn the_lists_keep_their_filter_across_pages() {
             vec![
                 format!("id=\"job-{email}\""),
                 "<input name=\"kind\" value=\"e/mail\">".into(),
-                "href=\"/admin/jobs?kind=e%2Fmail&offset=1\"".into(),
+                "href=\"/admin/jobs?kind=e%2Fmail&amp;offset=1\"".into(),
             ],
             vec![format!("id=\"job-{refund}\"")],
         ),
@@ -399,7 +399,7 @@ async fn the_lists_keep_their_filter_across_pages() {
             "/admin/jobs?kind=e%2Fmail&offset=1",
             vec![
                 "<p id=\"empty\">No dead jobs.</p>".into(),
-                "href=\"/admin/jobs?kind=e%2Fmail&offset=0\"".into(),
+                "href=\"/admin/jobs?kind=e%2Fmail&amp;offset=0\"".into(),
             ],
             vec![],
         ),

@@ -195,7 +195,8 @@ fn gauge_value(v: f64) -> String {
 /// The paging links under a list.
 pub(crate) fn pager(url: &str, offset: i64, limit: i64, shown: usize) -> String {
     let mut s = String::from("<p>");
-    let sep = if url.contains('?') { '&' } else { '?' };
+    // In an attribute a bare `&` starts a character reference.
+    let sep = if url.contains('?') { "&amp;" } else { "?" };
     if offset > 0 {
         let prev = (offset - limit).max(0);
         let _ = write!(
