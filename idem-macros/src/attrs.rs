@@ -58,7 +58,7 @@ impl Maker {
         }
     }
 
-    /// The same with its article, for a message ("an #[idempotent] fn").
+    /// The same with its article, for a message ("an `#[idempotent]` fn").
     pub(crate) fn a_attr(self) -> &'static str {
         match self {
             Maker::Idempotent => "an #[idempotent]",
@@ -67,7 +67,7 @@ impl Maker {
     }
 }
 
-/// Whether `func` is the output of #[idempotent] or #[retryable], and of
+/// Whether `func` is the output of `#[idempotent]` or `#[retryable]`, and of
 /// which: its first parameter (after `&self`) is the `&::idem::Pool` that
 /// each writes in place of the connection, and its body binds, at its top,
 /// the name each begins with (`__idem_request`, `__idem_loop`). Either
@@ -139,12 +139,12 @@ pub(crate) fn already_expanded(this: Maker, maker: Maker) -> syn::Error {
     syn::Error::new(proc_macro2::Span::call_site(), message)
 }
 
-/// The first argument #[retryable] adds when it hands a function to the
-/// #[idempotent] below it (see `retryable/mod.rs`).
+/// The first argument `#[retryable]` adds when it hands a function to the
+/// `#[idempotent]` below it (see `retryable/mod.rs`).
 const HANDED_OFF: &str = "__idem_handed_off";
 
-/// `args` of a #[retryable] with the mark of a hand-off, which it gets when
-/// it hands a function to #[idempotent] and writes itself again below.
+/// `args` of a `#[retryable]` with the mark of a hand-off, which it gets when
+/// it hands a function to `#[idempotent]` and writes itself again below.
 pub(crate) fn handed_off(args: TokenStream) -> TokenStream {
     let mark = proc_macro2::Ident::new(HANDED_OFF, proc_macro2::Span::call_site());
     quote::quote!(#mark, #args)

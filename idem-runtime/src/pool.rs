@@ -290,7 +290,7 @@ impl DerefMut for Connection {
 }
 
 /// How long a checkout waits for a returned connection's answers still on
-/// their way (see [`Manager::recycle`]).
+/// their way (see `Manager::recycle`).
 const SETTLE: Duration = Duration::from_millis(100);
 
 /// Makes and recycles a [`Pool`]'s connections (deadpool's manager).

@@ -312,7 +312,7 @@ fn find_bin_dir() -> Result<PathBuf, HarnessError> {
     })
 }
 
-/// "15" -> [15], "9.6" -> [9, 6]; anything else is not a version directory.
+/// `"15"` -> `[15]`, `"9.6"` -> `[9, 6]`; anything else is not a version directory.
 fn parse_version(name: &OsStr) -> Option<Vec<u32>> {
     name.to_str()?
         .split('.')

@@ -1,4 +1,4 @@
-//! The pages: read the request, call [`operate`](crate::operate), render.
+//! The pages: read the request, call [`crate::operate`], render.
 
 use axum::extract::{OriginalUri, State};
 use axum::http::header::{CACHE_CONTROL, SET_COOKIE};

@@ -65,7 +65,7 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     out
 }
 
-/// The function with its #[retryable] (if any) taken off: checked, then
+/// The function with its `#[retryable]` (if any) taken off: checked, then
 /// expanded, or its errors beside a fallback.
 fn expand_checked(
     args: TokenStream,

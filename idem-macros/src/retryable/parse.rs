@@ -106,8 +106,8 @@ impl Retryable {
     }
 
     /// [`Retryable::from_tokens`], its errors about the function naming
-    /// `maker`: the attribute the user wrote (#[idempotent] checks the same
-    /// shape when no #[retryable] is written with it).
+    /// `maker`: the attribute the user wrote (`#[idempotent]` checks the same
+    /// shape when no `#[retryable]` is written with it).
     pub(crate) fn from_tokens_for(
         args: TokenStream,
         func: &ItemFn,

@@ -1,7 +1,7 @@
 //! One delivery, from the broker's point of view: run the effect and record
 //! the message in one transaction, or skip it, or say when to try again, or
 //! park it. Also the operator's side of the records: dead letters, requeue,
-//! purge. Nothing here knows a broker; [`super::run`] does.
+//! purge. Nothing here knows a broker; `Inbox::run` does (with the `nats` feature).
 
 use std::fmt::Display;
 use std::ops::ControlFlow;

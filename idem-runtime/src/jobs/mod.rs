@@ -3,7 +3,7 @@
 //! worker runs it after a delay, again after longer ones if it fails, and
 //! parks it as dead past the last step.
 //!
-//! * **Enqueue with the decision.** [`enqueue`] inside an attempt of a
+//! * **Enqueue with the decision.** [`enqueue()`] inside an attempt of a
 //!   `#[retryable]` or `#[idempotent]` function writes the job to
 //!   `idem_jobs` in the attempt's transaction: the job exists exactly when
 //!   the decision to compensate committed. Outside an attempt it is refused
@@ -82,7 +82,7 @@ pub use enqueue::{enqueue, enqueue_after, EnqueueError, Enqueued, InvalidJob};
 pub use ladder::Ladder;
 pub use worker::{Round, Worker, WorkerError};
 
-/// A typed compensation job that [`enqueue`] writes and a [`Worker`] runs.
+/// A typed compensation job that [`enqueue()`] writes and a [`Worker`] runs.
 ///
 /// ```
 /// use idem_runtime::jobs::Job;

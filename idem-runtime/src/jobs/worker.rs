@@ -132,7 +132,7 @@ impl Worker {
     /// handler of that kind. The handler is called once per attempt with the
     /// attempt's connection, inside the transaction that also deletes the
     /// job, and returns a boxed future (`scope_boxed()`), as with
-    /// [`retry`](crate::retry::retry). It may [`enqueue`](super::enqueue)
+    /// [`retry`](crate::retry::retry). It may [`enqueue`](super::enqueue())
     /// jobs and [`emit`](crate::outbox::emit) events. An `Err` rolls the
     /// run back; its `Display` is stored as the job's `last_error`.
     pub fn handle<J, E, F>(mut self, handler: F) -> Self

@@ -11,7 +11,7 @@
 //! ([`outbox::requeue`](crate::outbox::requeue),
 //! [`jobs::dead`](crate::jobs::dead), [`idempotency::settle`](crate::idempotency::settle),
 //! ...) rather than SQL of their own, except where none existed (a key's
-//! record, discarding a dead event or job, the checks of [`doctor`]).
+//! record, discarding a dead event or job, the checks of [`doctor()`]).
 //!
 //! | concern | calls |
 //! |---|---|
@@ -19,7 +19,7 @@
 //! | outbox (`idem_outbox`) | [`outbox_stats`], [`dead_events`], [`requeue_event`], [`requeue_dead_events`], [`discard_event`] |
 //! | jobs (`idem_jobs`) | [`job_stats`], [`dead_jobs`], [`requeue_job`], [`requeue_dead_jobs`], [`discard_job`] |
 //! | inbox (`idem_inbox`) | [`inbox_stats`], [`inbox_dead`], [`inbox_purge`] |
-//! | schema and server | [`migration_status`], [`migrate`], [`doctor`] |
+//! | schema and server | [`migration_status`], [`migrate`], [`doctor()`] |
 //! | the NATS stream (feature `nats`) | `check_stream`: its duplicate window against the relay's horizon |
 
 mod doctor;

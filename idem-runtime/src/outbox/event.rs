@@ -7,7 +7,7 @@ use uuid::Uuid;
 
 use crate::attempt::CallId;
 
-/// A typed event that [`emit`](super::emit) can write to the outbox.
+/// A typed event that [`emit`](super::emit()) can write to the outbox.
 ///
 /// ```
 /// use idem_runtime::outbox::Event;

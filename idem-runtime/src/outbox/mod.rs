@@ -1,10 +1,10 @@
 //! The transactional outbox: events written in the business transaction,
 //! published to a broker afterwards, at least once and in order per key.
 //!
-//! * **Emit** with [`emit`] inside an attempt of a `#[retryable]` or
+//! * **Emit** with [`emit()`] inside an attempt of a `#[retryable]` or
 //!   `#[idempotent]` function: the event is a row of `idem_outbox` in the
 //!   attempt's transaction, so it exists exactly when the business write it
-//!   announces committed. Outside an attempt, [`emit`] refuses at run time
+//!   announces committed. Outside an attempt, [`emit()`] refuses at run time
 //!   ([`EmitError::OutsideAttempt`]); the connection type cannot say it.
 //! * **Order.** Each event gets the next sequence number of its key (the
 //!   aggregate) from `idem_outbox_keys`, whose row lock is held until the

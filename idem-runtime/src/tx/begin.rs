@@ -110,7 +110,7 @@ impl Timeouts {
     }
 
     /// What [`Timeouts::begin_sql`] does, as prepared statements, for a
-    /// ride that replaces it (see [`pipeline`]).
+    /// ride that replaces it (see [`super::pipeline`]).
     pub(super) fn write_begin(
         self,
         isolation: Isolation,

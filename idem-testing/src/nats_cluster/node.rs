@@ -1,7 +1,7 @@
 //! One `nats-server` of a [`NatsCluster`](super::NatsCluster), and the
 //! launch of the three: configuration files and ports. Finding the program,
 //! starting it and waiting for its JetStream greeting are those of the
-//! single test server ([`server`](crate::server), [`nats`](crate::nats)).
+//! single test server ([`crate::server`], [`crate::nats`]).
 
 use std::io;
 use std::net::TcpListener;
