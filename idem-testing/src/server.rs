@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 use crate::exit::at_exit;
 use crate::scratch::random_u32;
 
-/// How long a started server gets to be ready.
-const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a started server gets to be ready (in this crate's unit tests,
+/// which start programs that never are, less).
+const START_TIMEOUT: Duration = Duration::from_secs(if cfg!(test) { 2 } else { 20 });
 
 /// How often a starting server is asked whether it is ready yet.
 const POLL: Duration = Duration::from_millis(20);
@@ -208,6 +209,10 @@ impl Process {
                         self.spec.ready_sign
                     ),
                 };
+                // One that never became ready is not left running (a
+                // restart's caller keeps its handle, and would find it
+                // half up later).
+                self.kill();
                 let log = std::fs::read_to_string(&log).unwrap_or_default();
                 return Err(Failure::DidNotStart { detail, log });
             }
@@ -337,4 +342,50 @@ pub(crate) fn unique_suffix() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     format!("{}_{n}_{:08x}", std::process::id(), random_u32())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shell that writes its pid into its directory, then sleeps: never
+    /// ready.
+    static NEVER_READY: Spec = Spec {
+        program: "sh",
+        program_var: "IDEM_TEST_NEVER_READY_SH",
+        installed: &["/bin/sh"],
+        url_var: "IDEM_TEST_NEVER_READY_URL",
+        scheme: "never-ready",
+        default_port: 1,
+        ready_sign: "nothing",
+        is_ready: |_| false,
+        args: |command, _, dir, _| {
+            let pid = dir.join("pid");
+            command
+                .arg("-c")
+                .arg(format!("echo $$ > '{}'; exec sleep 60", pid.display()));
+        },
+    };
+
+    #[test]
+    fn a_program_never_ready_is_not_left_running() {
+        let dir = std::env::temp_dir().join(format!("idem-never-ready-{}", unique_suffix()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let process = Process::new(&NEVER_READY, 1, dir.clone()).unwrap();
+        let failure = process.spawn().unwrap_err();
+        assert!(
+            matches!(failure, Failure::DidNotStart { .. }),
+            "{failure:?}"
+        );
+        let pid: libc::pid_t = std::fs::read_to_string(dir.join("pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // Killed and reaped: no such process any more.
+        // SAFETY: signal 0 only asks whether the process exists.
+        let alive = unsafe { libc::kill(pid, 0) } == 0;
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(!alive, "pid {pid} still runs after the failed start");
+    }
 }
