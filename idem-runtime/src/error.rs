@@ -63,13 +63,15 @@ pub enum Error {
     /// failure ends the transaction on the server. Not replayed: when
     /// `committed` is true, some of what it wrote was committed (the
     /// attempt's atomicity is gone, and a replay would write it again): what
-    /// it wrote before its own `COMMIT`, or a statement it ran after ending
-    /// the transaction, outside any (which commits on its own). A bug in the
-    /// body (500).
+    /// it wrote before its own `COMMIT`, or a statement sent in the same
+    /// request as its end, after it, outside any transaction (which commits
+    /// on its own). Nothing the body sends in a later request goes out: the
+    /// connection refuses it, and is closed. A bug in the body (500).
     #[error("the body ended idem's transaction itself (a COMMIT, ROLLBACK, BEGIN or PREPARE TRANSACTION of its own, or a statement that ended it): {}; not replayed", if *committed { "some of what it wrote was committed" } else { "nothing was committed" })]
     TransactionEnded {
         /// Some of what the body wrote was committed (or prepared): before
-        /// its own end of the transaction, or after it, outside any.
+        /// its own end of the transaction, or after it in the same request,
+        /// outside any.
         committed: bool,
     },
     /// The body returned with a savepoint still open: a `conn.transaction(..)`

@@ -291,3 +291,60 @@ async fn the_timeouts_travel_with_begin_in_one_round_trip() {
         "BEGIN went without its settings: {inside:?}"
     );
 }
+
+/// Ends idem's transaction with `end`, then asks the server for the next
+/// value of `probe` (which no rollback takes back) and sleeps past the
+/// deadline: statements that, after a chain, would run without idem's
+/// bounds, and after a `COMMIT` or `ROLLBACK` in a transaction of their own.
+#[retryable(max = 4, deadline_ms = 300)]
+async fn ends_then_runs(
+    conn: &mut AsyncPgConnection,
+    end: &str,
+    calls: &AtomicU32,
+) -> Result<(), AppError> {
+    calls.fetch_add(1, Ordering::SeqCst);
+    conn.batch_execute(end).await?;
+    conn.batch_execute("SELECT nextval('probe'); SELECT pg_sleep(3)")
+        .await?;
+    Ok(())
+}
+
+/// Nothing a body sends after it ended idem's transaction reaches the
+/// server (the sequence does not move), whatever the body makes of the
+/// error: the call answers `TransactionEnded`, once, and the pool is clean.
+#[tokio::test]
+async fn what_a_body_sends_after_ending_the_transaction_never_runs() {
+    let env = env(1).await;
+    env.client
+        .batch_execute("CREATE SEQUENCE probe; CREATE SEQUENCE same")
+        .await
+        .unwrap();
+    for (end, committed) in [
+        ("ROLLBACK AND CHAIN", false),
+        ("ABORT AND CHAIN", false),
+        ("COMMIT AND CHAIN", true),
+        ("COMMIT", true),
+        ("ROLLBACK", false),
+        ("BEGIN", false),
+        // In the same request as the end, a statement still runs, outside
+        // any transaction, and commits: the call says so.
+        ("ROLLBACK; SELECT nextval('same')", true),
+    ] {
+        let calls = AtomicU32::new(0);
+        let result = ends_then_runs(&env.pool, end, &calls).await;
+        assert!(
+            matches!(&result, Err(AppError::Idem(idem::Error::TransactionEnded { committed: c })) if *c == committed),
+            "{end}: {result:?}"
+        );
+        assert_eq!(count(&calls), 1, "{end}: never replayed");
+        let moved = env
+            .scalar_i64("SELECT count(*) FROM pg_sequences WHERE sequencename = 'probe' AND last_value IS NOT NULL")
+            .await;
+        assert_eq!(moved, 0, "{end}: a statement after the end ran");
+    }
+    let same = env
+        .scalar_i64("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM same")
+        .await;
+    assert_eq!(same, 1, "the statement sent with the end ran once");
+    env.assert_pool_clean().await;
+}

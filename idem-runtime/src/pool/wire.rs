@@ -57,6 +57,9 @@ pub(crate) struct Wire {
     /// Something rides on the next request ([`Wire::ride`]): the cheap test
     /// that keeps the stream's common path from taking the lock for it.
     riding: AtomicBool,
+    /// The transaction [`Wire::guard`] watches has ended or another begun:
+    /// nothing more is written (see there).
+    sealed: AtomicBool,
     /// The connection keeps its session's prepared statements (not behind a
     /// transaction pooler).
     session_statements: bool,
@@ -151,6 +154,9 @@ struct State {
     /// What the server reported of the session unasked: its key, and
     /// parameters whose change would poison it for idem.
     reported: reported::Reported,
+    /// The transaction control when a body was handed the connection
+    /// ([`Wire::guard`]).
+    guard: Option<Marks>,
 }
 
 /// SQLSTATE `invalid_sql_statement_name`: a `Bind` (or `EXECUTE`) of a
@@ -213,6 +219,36 @@ impl Wire {
     pub(crate) fn ride(&self, query: Vec<u8>, unit: Vec<u8>, parses: Vec<Option<&'static str>>) {
         self.state().ride.arm(query, unit, parses);
         self.riding.store(true, Ordering::Release);
+    }
+
+    /// From now until `None`, watch the transaction open since `begun`
+    /// (the marks when its `BEGIN` was answered): once the server says it
+    /// ended or another began (a body's own `COMMIT`, `ROLLBACK`, `ROLLBACK
+    /// AND CHAIN`, `PREPARE TRANSACTION`, `BEGIN`), nothing more is written.
+    /// The next write fails, and the connection with it: what a body sends
+    /// after ending idem's transaction would run outside it, in a
+    /// transaction of its own that commits, or in a chained one without
+    /// idem's bounds. The attempt fails either way (see
+    /// [`crate::tx::Tx::ended_by_body`]); this keeps it from writing more.
+    /// Sent in a request with the end itself, a statement still runs.
+    pub(crate) fn guard(&self, begun: Option<Marks>) {
+        let mut state = self.state();
+        state.guard = begun;
+        self.reseal(&state);
+    }
+
+    /// Seal the connection if the guarded transaction is over, unseal it
+    /// when nothing is guarded.
+    fn reseal(&self, state: &State) {
+        let over = state
+            .guard
+            .is_some_and(|begun| state.marks.since(begun).is_some());
+        self.sealed.store(over, Ordering::Release);
+    }
+
+    /// Whether nothing more may be written (see [`Wire::guard`]).
+    fn sealed(&self) -> bool {
+        self.sealed.load(Ordering::Acquire)
     }
 
     /// Whether the connection keeps its session's prepared statements.
@@ -425,6 +461,9 @@ impl Wire {
             state.marks.commits += 1;
         }
         state.outside = status == b'I';
+        if state.guard.is_some() {
+            self.reseal(&state);
+        }
         drop(state);
         self.answered.notify_waiters();
     }

@@ -181,6 +181,9 @@ impl Tx {
             }
         };
         tx.begun = wire.marks();
+        // The body's statements go out only while this transaction lasts
+        // (see `Wire::guard`); whatever ends it here is answered below.
+        wire.guard(Some(tx.begun));
         match begun {
             // What ran under idem's name for `BEGIN` opened no transaction:
             // a statement of the application's stands there (prepared inside
@@ -278,6 +281,7 @@ impl Tx {
 
     /// Send `COMMIT` (the transaction is known sound) and classify its end.
     async fn send_commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
+        self.unguard();
         let rollbacks = self.wire().map_or(0, Wire::rollbacks);
         let committed = tokio::time::timeout(
             timeout,
@@ -346,6 +350,7 @@ impl Tx {
         if !self.open {
             return false;
         }
+        self.unguard();
         let rolled_back = if self.unmanaged {
             let mut shared: &AsyncPgConnection = self.conn();
             tokio::time::timeout(timeout, shared.batch_execute("ROLLBACK")).await
@@ -447,6 +452,13 @@ impl Tx {
         Some(refusal)
     }
 
+    /// idem's own end of the transaction goes out (see `Wire::guard`).
+    fn unguard(&self) {
+        if let Some(wire) = self.wire() {
+            wire.guard(None);
+        }
+    }
+
     /// Whether the connection in the transaction's slot is still the one
     /// it began on (see [`crate::pool::Connection::holds_its_session`]).
     async fn holds_its_session(&self) -> bool {
@@ -537,6 +549,8 @@ impl Tx {
 
 impl Drop for Tx {
     fn drop(&mut self) {
+        // A connection goes back to the pool unguarded, whatever the path.
+        self.unguard();
         if self.open {
             tracing::warn!("transaction dropped while open; closing its connection");
             self.cancel_and_discard();

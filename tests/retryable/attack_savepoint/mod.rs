@@ -251,9 +251,11 @@ async fn attack_open_savepoint_write_then_commit_by_hand() {
     env.assert_pool_clean().await;
 }
 
-/// `ROLLBACK` by hand with a savepoint open, then a write outside any
-/// transaction (autocommit): that write commits at once, so the call must
-/// not say that nothing was committed.
+/// `ROLLBACK` by hand with a savepoint open (or not), then a write that
+/// would run outside any transaction (autocommit) and commit at once. It
+/// never goes out: the wire refuses what a body sends after ending idem's
+/// transaction (before that guard it committed, and the call said so).
+/// Nothing is committed, and the call says that.
 #[retryable(max = 4, deadline_ms = 5000)]
 async fn rollback_then_autocommit(
     conn: &mut AsyncPgConnection,
@@ -280,8 +282,8 @@ async fn attack_rollback_by_hand_then_autocommit_write() {
         let result = rollback_then_autocommit(&env.pool, savepoint, id, &calls).await;
         let committed = items_in(&env, &format!("{id}, {}", id + 1)).await;
         assert_eq!(
-            committed, 1,
-            "savepoint {savepoint}: the autocommit write is committed"
+            committed, 0,
+            "savepoint {savepoint}: the write after the body's ROLLBACK"
         );
         assert_eq!(count(&calls), 1, "never replayed");
         no_session_left_in_a_transaction(&env, "rollback by hand").await;
@@ -290,8 +292,8 @@ async fn attack_rollback_by_hand_then_autocommit_write() {
     env.assert_pool_clean().await;
     for (savepoint, result) in &seen {
         assert_eq!(
-            result, "Err(Idem(TransactionEnded { committed: true }))",
-            "savepoint {savepoint}: a write committed, the call says {result} (all: {seen:?})"
+            result, "Err(Idem(TransactionEnded { committed: false }))",
+            "savepoint {savepoint}: nothing committed, the call says {result} (all: {seen:?})"
         );
     }
 }

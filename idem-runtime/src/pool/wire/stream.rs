@@ -274,6 +274,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
         if let Err(e) = ready!(this.poll_owed(cx)) {
             return Poll::Ready(Err(e));
         }
+        if this.wire.sealed() {
+            this.wire.on_closed();
+            return Poll::Ready(Err(io::Error::other(
+                "idem: the function's body ended idem's transaction itself; nothing more it sends goes out, and the connection is closed",
+            )));
+        }
         if this.wire.riding() {
             if let Some(taken) = this.ride_on(buf)? {
                 // Sent now if the socket takes it; owed (and flushed) if not.
