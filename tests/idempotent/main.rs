@@ -28,6 +28,7 @@ mod attack_body;
 mod attack_ext;
 mod attack_savepoint;
 mod attack_session;
+mod attack_swap;
 mod attack_wire;
 mod closing;
 mod derived_keys;
