@@ -86,12 +86,14 @@ pub enum Error {
     /// The body swapped the connection it was lent for another
     /// (`std::mem::replace` or `swap` through the `&mut`): idem committed
     /// nothing. It closed the connection swapped in, which rolls back what
-    /// the body had begun there; idem's own transaction stays with the
-    /// connection the body took, and rolls back when that one closes. Only
+    /// the body had begun there, and the one the body took, wherever it is
+    /// now held (a task of the body's, another checkout, the pool's idle
+    /// queue), which rolls back idem's transaction and frees its locks. In
+    /// external mode the outcome is not recorded: the key stays held. Only
     /// what the body wrote outside any transaction on a connection of its
     /// own is kept (as any write through a second connection would be). Not
     /// replayed: the body would do the same again. A bug in the body (500).
-    #[error("the body swapped the connection it was lent for another: idem committed nothing, and closed the connection swapped in; not replayed")]
+    #[error("the body swapped the connection it was lent for another: idem committed nothing, and closed both connections; not replayed")]
     ConnectionReplaced,
     /// Local mode: the transaction committed, but the statement that writes
     /// the key's record wrote no row, because a statement of the

@@ -392,18 +392,20 @@ impl deadpool::managed::Manager for Manager {
         // Session state a body committed (a read-only default, another
         // session user) would refuse idem's statements on every later call.
         // One not reported (`SET ROLE` by a user without superuser rights)
-        // shows as a refusal for rights or read-only in the last
-        // transaction: such a connection goes too, at the cost of a new one.
+        // shows as the last transaction failing for rights or as read-only:
+        // such a connection goes too, at the cost of a new one.
         if let Some(drift) = obj.wire.session_drift() {
             return Err(deadpool::managed::RecycleError::message(drift));
         }
         if obj.wire.refused_for_session() {
             return Err(deadpool::managed::RecycleError::message(
-                "its last transaction was refused for rights or as read-only",
+                "its last transaction failed for rights or as read-only",
             ));
         }
-        // A connection a body swapped in for its own.
+        // A connection a body swapped in for its own: the one taken away,
+        // wherever it is, goes too (see `Wire::sever`).
         if !obj.holds_its_session().await {
+            obj.wire.sever();
             return Err(deadpool::managed::RecycleError::message(
                 "it is not the session it was made with (a body swapped it)",
             ));

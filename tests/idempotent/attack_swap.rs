@@ -1,8 +1,7 @@
-//! A hostile pass on the two fixes of 3a12a6f: a body that swaps the
-//! connection it was lent (`Error::ConnectionReplaced`), and session state a
-//! body commits (closed, not pooled). Effects and records are counted
-//! through the side connection; writes on idem's connection are tagged with
-//! the key, writes on a connection swapped in with `<key>-out`.
+//! A hostile pass on a body that swaps the connection it was lent
+//! (`Error::ConnectionReplaced`) and on session state a body commits. Three
+//! defects it found are fixed (each test says what happened before). Writes
+//! on idem's connection are tagged with the key, on one swapped in `<key>-out`.
 
 use super::attack_body::{next_callers, plain};
 use super::attack_ext::records_of;
@@ -302,11 +301,11 @@ async fn attack_swap_local_every_shape_and_end() {
 /// key, the body's effect 1). The docs: idem's transaction "rolls back when
 /// that one closes". Nothing was committed for the key, so the same key,
 /// called again, must run at once.
-// Found by this pass (fails today): idem's connection goes back to the
-// idle queue idle in transaction (recycle checks run at checkout only);
-// with older idle connections ahead of it (deadpool hands out the oldest
-// first) nobody checks it out, and the same key's next call waits on the
-// advisory lock for its whole 10 s deadline: `Exhausted`, nothing written.
+// Found by this pass: idem's connection went back to the idle queue idle
+// in transaction (recycle checks run at checkout only, and deadpool hands
+// out the oldest idle connection first), and the same key's next call
+// waited on the advisory lock for its whole 10 s deadline. The connection
+// taken away is now severed (`Wire::sever`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack_swap_pooled_checkout_returns_idems_transaction_to_the_pool() {
     let env = env(2).await;
@@ -334,13 +333,12 @@ async fn attack_swap_pooled_checkout_returns_idems_transaction_to_the_pool() {
 /// must not answer `Ok`, the key must not say `completed` without the
 /// body's effect 1, and a retry must not replay a success whose local
 /// writes are gone.
-// Found by this pass (fails today, `PooledIdle`; directly and through
-// PgBouncer): the outcome's `UPDATE .. SET state = 'completed'` runs on the
-// connection in the slot (`Call::leave` -> `record(conn, ..)`) before
-// `COMMIT`'s check of the session key; on a connection swapped in with no
-// transaction open it commits at once. The call answers
-// `ConnectionReplaced`, effect 1 rolls back with idem's connection, the key
-// says `completed`, and a retry replays `Ok("receipt")`.
+// Found by this pass (`PooledIdle`, direct and through PgBouncer): the
+// outcome's `UPDATE .. SET state = 'completed'` went to the connection in
+// the slot before any check of the session key, and committed at once on
+// one with no transaction open: `ConnectionReplaced`, effect 1 rolled back,
+// the key `completed`, and a retry replayed `Ok("receipt")`. The key is now
+// checked before the record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack_swap_external_phase_three_records_on_the_swapped_in_connection() {
     let env = env(2).await;
@@ -564,14 +562,17 @@ async fn refused_then_fine(conn: &mut AsyncPgConnection, key: &str) -> Result<i3
 /// A refusal for rights that the body caught in a savepoint, in a call that
 /// committed with its record: the session is fine (idem's own record was
 /// written on it, last), so the connection should stay pooled.
-// Found by this pass (fails today): 10 committed calls, 10 backends on a
-// pool of one; `refused_for_session` counts every 42501 of the transaction,
-// those a savepoint undid included, whatever the transaction's end.
+// Found by this pass: 10 committed calls, 10 backends on a pool of one
+// (every 42501 of the transaction counted, one a savepoint undid too). Only
+// a refusal that failed the transaction counts now.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack_swap_caught_refusal_churns_a_connection_per_call() {
     let env = env(2).await;
     if env.db.via().is_transaction_pooling() {
-        return; // pids are the server's, not the client connection's
+        // Through a transaction pooler the backends are the pooler's server
+        // connections, which say nothing of idem's own to the pooler; the
+        // recycle check under test is the same code either way.
+        return;
     }
     let pool = pool_of(&env.db, 1);
     let (calm_pids, started) = (Pids::default(), Instant::now());

@@ -34,6 +34,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -60,6 +61,11 @@ pub(crate) struct Wire {
     /// The transaction [`Wire::guard`] watches has ended or another begun:
     /// nothing more is written (see there).
     sealed: AtomicBool,
+    /// Closed from outside its driver ([`Wire::sever`]): nothing more is
+    /// read or written.
+    severed: AtomicBool,
+    /// Who waits for the socket to be readable, to be woken by a sever.
+    reader: Mutex<Option<Waker>>,
     /// The connection keeps its session's prepared statements (not behind a
     /// transaction pooler).
     session_statements: bool,
@@ -246,6 +252,32 @@ impl Wire {
         self.sealed.store(over, Ordering::Release);
     }
 
+    /// Close the connection from outside its driver: its next read fails,
+    /// at once if it waits for one, and so does its next write. For a
+    /// connection a body took away from the slot idem lent it in (see
+    /// [`crate::pool`]'s identity check): idem's transaction, open on it,
+    /// and its locks end with it, wherever it is now held, even idle in a
+    /// pool's queue.
+    pub(crate) fn sever(&self) {
+        self.severed.store(true, Ordering::Release);
+        let waiting = self.reader.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(waker) = waiting {
+            waker.wake();
+        }
+    }
+
+    fn severed(&self) -> bool {
+        self.severed.load(Ordering::Acquire)
+    }
+
+    /// The stream waits for the socket to be readable: a sever wakes it.
+    fn waits_to_read(&self, waker: &Waker) {
+        let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+        if !reader.as_ref().is_some_and(|w| w.will_wake(waker)) {
+            *reader = Some(waker.clone());
+        }
+    }
+
     /// Whether nothing more may be written (see [`Wire::guard`]).
     fn sealed(&self) -> bool {
         self.sealed.load(Ordering::Acquire)
@@ -420,13 +452,14 @@ impl Wire {
         self.state().refusals.clone()
     }
 
-    /// Whether the current (or just ended) transaction was refused for
-    /// the session's rights or as read-only (`42501`, `25006`): what a
-    /// session state a body committed and the server does not report
-    /// (`SET ROLE`) looks like from here.
+    /// Whether the current (or just ended) transaction failed, and was not
+    /// undone to a savepoint, for the session's rights or as read-only
+    /// (`42501`, `25006`): what a session state a body committed and the
+    /// server does not report (`SET ROLE`) looks like from here. A refusal
+    /// a savepoint undid, in a transaction that went on, does not count.
     pub(crate) fn refused_for_session(&self) -> bool {
-        let session = |r: &Refusal| matches!(&r.code, b"42501" | b"25006");
-        self.state().refusals.iter().any(session)
+        let session = |r: Refusal| matches!(&r.code, b"42501" | b"25006");
+        self.state().abort.is_some_and(session)
     }
 
     fn on_ready(&self, status: u8) {

@@ -126,6 +126,16 @@ impl Attempt {
             .conn()
     }
 
+    /// Whether the connection in the attempt's slot is still the one its
+    /// transaction began on: not when the body swapped it for another
+    /// (see [`crate::pool`]). True before the transaction opens.
+    pub(crate) async fn holds_its_session(&self) -> bool {
+        match self.tx.as_ref() {
+            Some(tx) => tx.holds_its_session().await,
+            None => true,
+        }
+    }
+
     /// The attempt's connection, beginning its transaction first when it
     /// was deferred.
     pub async fn open(&mut self) -> Result<&mut AsyncPgConnection, Error> {

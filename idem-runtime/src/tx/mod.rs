@@ -351,6 +351,10 @@ impl Tx {
             return false;
         }
         self.unguard();
+        if !self.holds_its_session().await {
+            self.replaced();
+            return false;
+        }
         let rolled_back = if self.unmanaged {
             let mut shared: &AsyncPgConnection = self.conn();
             tokio::time::timeout(timeout, shared.batch_execute("ROLLBACK")).await
@@ -429,8 +433,7 @@ impl Tx {
         // Checked first: every other check reads the wire, which watches
         // the session idem began on, not the one swapped in.
         if !self.holds_its_session().await {
-            tracing::error!("the body swapped the connection it was lent for another; not committing, closing the one swapped in (what the body began on it rolls back)");
-            self.discard();
+            self.replaced();
             return Some(CommitFailure::Replaced);
         }
         if let Some(wire) = self.wire() {
@@ -459,9 +462,22 @@ impl Tx {
         }
     }
 
+    /// The body swapped the connection it was lent for another: the one it
+    /// took away, with idem's transaction open on it, is closed wherever
+    /// it is now held (a body's task, another checkout of the pool, idle
+    /// in the pool's queue), and the one swapped in with what the body began
+    /// on it. Nothing is sent on either.
+    fn replaced(&mut self) {
+        tracing::error!("the body swapped the connection it was lent for another; closing both, nothing committed (what either had begun rolls back)");
+        if let Some(wire) = self.wire() {
+            wire.sever();
+        }
+        self.discard();
+    }
+
     /// Whether the connection in the transaction's slot is still the one
     /// it began on (see [`crate::pool::Connection::holds_its_session`]).
-    async fn holds_its_session(&self) -> bool {
+    pub(crate) async fn holds_its_session(&self) -> bool {
         match self.conn.as_ref() {
             Some(conn) => conn.holds_its_session().await,
             None => true,

@@ -318,8 +318,14 @@ impl<E> Call<E> {
                 if self.request.external() {
                     // External phase 3: the outcome's transaction, begun now
                     // if the body wrote nothing of its own.
-                    let conn = attempt.open().await.map_err(E::from)?;
-                    self.completed = self.record(conn, Outcome::Ok, &response).await?;
+                    attempt.open().await.map_err(E::from)?;
+                    // The record must not go to a connection the body
+                    // swapped in, where it might commit on its own: the
+                    // outside call may have run, and the key stays held.
+                    if !attempt.holds_its_session().await {
+                        return Err(E::from(Error::ConnectionReplaced));
+                    }
+                    self.completed = self.record(attempt.conn(), Outcome::Ok, &response).await?;
                     return Ok(Step::Commit(Reply::Fresh(value)));
                 }
                 let (step, kept) = self.complete(attempt, Outcome::Ok, &response).await?;

@@ -85,3 +85,37 @@ impl Reported {
             })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parameter(name: &str, value: &str) -> Vec<u8> {
+        format!("{name}\0{value}\0").into_bytes()
+    }
+
+    #[test]
+    fn a_watched_parameter_drifts_from_its_start_up_value_only() {
+        let mut r = Reported::default();
+        r.on_key(&[0, 0, 0, 7, 1, 2, 3, 4]);
+        r.on_key(&[1, 2, 3]);
+        assert_eq!(
+            r.key(),
+            Some([0, 0, 0, 7, 1, 2, 3, 4]),
+            "a short body is not a key"
+        );
+        r.on_parameter(&parameter("default_transaction_read_only", "off"));
+        r.on_parameter(&parameter("TimeZone", "UTC"));
+        r.on_parameter(&parameter("TimeZone", "Asia/Shanghai"));
+        assert_eq!(r.drift(), None, "not watched");
+        // SET LOCAL: reported, then reported back when the transaction ends.
+        r.on_parameter(&parameter("default_transaction_read_only", "on"));
+        assert!(r.drift().is_some_and(|d| d.contains("is on (it was off")));
+        r.on_parameter(&parameter("default_transaction_read_only", "off"));
+        assert_eq!(r.drift(), None);
+        r.on_parameter(&parameter("client_encoding", "SJIS"));
+        assert_eq!(r.foreign_encoding().as_deref(), Some("SJIS"));
+        r.on_parameter(&parameter("client_encoding", "utf8"));
+        assert_eq!(r.foreign_encoding(), None);
+    }
+}

@@ -240,6 +240,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for Observed<S> {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         loop {
+            if this.wire.severed() {
+                this.wire.on_closed();
+                return Poll::Ready(Err(severed()));
+            }
             let before = buf.filled().len();
             let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
             match &polled {
@@ -257,7 +261,14 @@ impl<S: AsyncRead + Unpin> AsyncRead for Observed<S> {
                     }
                 }
                 Poll::Ready(Err(_)) => this.wire.on_closed(),
-                Poll::Pending => {}
+                Poll::Pending => {
+                    // Checked again once the waker is left: a sever between
+                    // the first check and now would find none to wake.
+                    this.wire.waits_to_read(cx.waker());
+                    if this.wire.severed() {
+                        continue;
+                    }
+                }
             }
             return polled;
         }
@@ -273,6 +284,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
         let this = self.get_mut();
         if let Err(e) = ready!(this.poll_owed(cx)) {
             return Poll::Ready(Err(e));
+        }
+        if this.wire.severed() {
+            this.wire.on_closed();
+            return Poll::Ready(Err(severed()));
         }
         if this.wire.sealed() {
             this.wire.on_closed();
@@ -310,6 +325,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
         ready!(this.poll_owed(cx))?;
         Pin::new(&mut this.inner).poll_shutdown(cx)
     }
+}
+
+/// The error of a read or write after [`Wire::sever`].
+fn severed() -> io::Error {
+    io::Error::other(
+        "idem: the connection was closed by idem: a body took it out of the slot it was lent in",
+    )
 }
 
 /// `bytes` without the `dropped` ranges (in order), moved to its front;
