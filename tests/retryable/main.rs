@@ -30,6 +30,7 @@ use tokio::sync::Barrier;
 mod test_pool;
 
 mod attack_savepoint;
+mod attack_seal;
 mod budget;
 mod closure_form;
 mod connections;
