@@ -246,6 +246,11 @@ pub struct Connection {
     conn: AsyncPgConnection,
     wire: Arc<Wire>,
     replication: Replication,
+    /// The cancel token of the connection made here, kept apart: a body may
+    /// swap `conn` for another, and the one it took away may still run a
+    /// statement in idem's transaction (see `crate::tx`). Boxed: it is
+    /// rarely used, and every attempt's future carries the connection.
+    cancel: Box<tokio_postgres::CancelToken>,
 }
 
 impl Connection {
@@ -262,6 +267,12 @@ impl Connection {
     /// Its pool's [`Replication`].
     pub(crate) fn replication(&self) -> Replication {
         self.replication
+    }
+
+    /// The cancel token of the connection this one was made with, whatever
+    /// `AsyncPgConnection` it holds now.
+    pub(crate) fn made_with(&self) -> tokio_postgres::CancelToken {
+        (*self.cancel).clone()
     }
 
     /// Whether the `AsyncPgConnection` it holds still talks to the session
@@ -360,6 +371,7 @@ impl deadpool::managed::Manager for Manager {
             }
         };
         Ok(Connection {
+            cancel: Box::new(conn.cancel_token()),
             conn,
             wire,
             replication: self.replication,

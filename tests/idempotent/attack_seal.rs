@@ -1,8 +1,8 @@
 //! A hostile pass on the seal (f668a94) and the sever (4b876a4) through
 //! `#[idempotent]`: a correct body never trips the seal, in local mode or
 //! in external mode's phases; a body that ends idem's transaction by hand
-//! must never get a record; tests named `defect_..` fail today (each says
-//! what it saw).
+//! must never get a record. Tests named `found_..` showed defects, fixed
+//! since (each says what it saw).
 
 use super::attack_ext::records_of;
 use super::*;
@@ -191,7 +191,7 @@ async fn swaps_out_to_a_sleeper(
     Ok(1)
 }
 
-/// DEFECT. docs/retryable.md ("The connection is the one lent") and
+/// Fixed. docs/retryable.md ("The connection is the one lent") and
 /// 4b876a4: the connection the body took away is closed "wherever it is
 /// now held (a task of its own, ..), so idem's transaction rolls back and
 /// its locks go at once" (before, "the key's next call waited out its
@@ -201,7 +201,7 @@ async fn swaps_out_to_a_sleeper(
 /// waits (past 3 s here). Through PgBouncer (`client_connection_check_
 /// interval` = 1 s on its server) it holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_the_keys_lock_outlives_the_sever_while_a_statement_runs() {
+async fn found_the_keys_lock_outlives_the_sever_while_a_statement_runs() {
     let env = env(2).await;
     let pids = Mutex::new(vec![]);
     let url = env.db.pool_url().to_owned();
@@ -249,13 +249,13 @@ async fn ends_with_the_effect_behind(
     Ok(1)
 }
 
-/// DEFECT. The call says `TransactionEnded { committed: false }` ("nothing
+/// Fixed. The call says `TransactionEnded { committed: false }` ("nothing
 /// was committed") and leaves the key free, while the effect sent behind
 /// the body's `ROLLBACK` committed outside any transaction (the seal closed
 /// the connection before its answer was read). The repeat the answer
 /// invites runs the body again: two effects for one key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_a_write_behind_the_end_is_reported_uncommitted() {
+async fn found_a_write_behind_the_end_is_reported_uncommitted() {
     let env = env(2).await;
     let runs = AtomicU32::new(0);
     let mut said = vec![];
@@ -309,7 +309,7 @@ async fn ext_declines_after_commit(
     }))
 }
 
-/// DEFECT. docs/retryable.md "Transaction control is idem's": a body that
+/// Fixed. docs/retryable.md "Transaction control is idem's": a body that
 /// runs `COMMIT` itself "gets `idem::Error::TransactionEnded { committed }`,
 /// never `Ok`". Returning a final error after it, it gets that decline, and
 /// the decline is stored as the key's outcome (and replayed) while its
@@ -318,7 +318,7 @@ async fn ext_declines_after_commit(
 /// `Step::Again` (store the decline next attempt), whose rollback never
 /// asks whether the body ended the transaction (the `Err` arm does).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_a_decline_after_commit_by_hand_is_stored_for_the_key() {
+async fn found_a_decline_after_commit_by_hand_is_stored_for_the_key() {
     let env = env(2).await;
     let mut bad = vec![];
     for external in [false, true] {

@@ -567,6 +567,19 @@ impl Wire {
         self.riding() && self.state().ride.capturing()
     }
 
+    /// The seal refused a write (see [`Wire::guard`]) and the connection
+    /// ends. A request sent before the server answered the end (pipelined
+    /// behind it) may have run outside any transaction and committed; its
+    /// answer will not be read now, so it counts as committed.
+    fn on_sealed(&self) {
+        let mut state = self.state();
+        if !state.sent.is_empty() {
+            state.marks.commits += 1;
+        }
+        drop(state);
+        self.on_closed();
+    }
+
     fn on_closed(&self) {
         self.state().closed = true;
         self.answered.notify_waiters();

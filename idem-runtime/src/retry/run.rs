@@ -328,12 +328,35 @@ impl<'p> RetryLoop<'p> {
     where
         E: FromIdemError,
     {
+        // A body that swapped its connection is answered so whatever it
+        // returned: its error, a failure the wire saw (on the connection it
+        // took away), or a decline to store, would have it run again, and
+        // write again through the one it swapped in. (A commit checks it
+        // before `COMMIT`, see `Tx::refuse`.)
+        let rolls_back = matches!(result, Ok(Step::Again(_)) | Err(_));
+        if rolls_back && !attempt.holds_its_session().await {
+            attempt.roll_back().instrument(self.span.clone()).await;
+            return self.done(
+                Err(E::from(Error::ConnectionReplaced)),
+                "connection_replaced",
+            );
+        }
         let cause = match result {
             Ok(Step::Answer(value)) => {
                 attempt.end_in_background();
                 return self.done(Ok(value), "answered");
             }
             Ok(Step::Again(after)) => {
+                // A decline to store, or a repeat idem asks for, after the
+                // body ended the transaction itself: what it committed by
+                // hand must not be written again, nor a decline stored.
+                if let Some(committed) = attempt.ended_by_body() {
+                    attempt.roll_back().instrument(self.span.clone()).await;
+                    return self.done(
+                        Err(E::from(Error::TransactionEnded { committed })),
+                        "ended_by_body",
+                    );
+                }
                 attempt.roll_back().await;
                 // Not a failure: the attempt is not charged to the budget. A
                 // wait (`after` > 0) is bounded by whoever asks for it; an

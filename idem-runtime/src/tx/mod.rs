@@ -469,10 +469,16 @@ impl Tx {
     /// on it. Nothing is sent on either.
     fn replaced(&mut self) {
         tracing::error!("the body swapped the connection it was lent for another; closing both, nothing committed (what either had begun rolls back)");
-        if let Some(wire) = self.wire() {
-            wire.sever();
+        if let Some(conn) = self.conn.as_ref() {
+            // A statement it still runs keeps the transaction and its locks
+            // until it ends (the server notices a closed socket only when
+            // it next writes): cancelled, as `cancel_and_discard` does.
+            if conn.wire().keeps_session_statements() {
+                cancel(conn.made_with());
+            }
+            conn.wire().sever();
         }
-        self.discard();
+        self.cancel_and_discard();
     }
 
     /// Whether the connection in the transaction's slot is still the one
@@ -549,17 +555,24 @@ impl Tx {
         // statement instead (see `Pooler`).
         let pooled = self.wire().is_some_and(|w| !w.keeps_session_statements());
         if let Some(conn) = self.conn.as_ref().filter(|_| !pooled) {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let token = conn.cancel_token();
-                runtime.spawn(async move {
-                    if let Err(err) = token.cancel_query(crate::pool::cancel_connector()).await {
-                        tracing::debug!(error = %err, "could not cancel the abandoned transaction's statement");
-                    }
-                });
-            }
+            cancel(conn.cancel_token());
         }
         // Closed at once, not after the cancel, which needs no answer.
         self.discard();
+    }
+}
+
+/// Send a cancel request for the statement `token`'s backend runs, on a
+/// connection of its own, without waiting. Best effort: without a Tokio
+/// runtime, or when the server refuses a cancel request without TLS, the
+/// statement runs to its end.
+fn cancel(token: tokio_postgres::CancelToken) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            if let Err(err) = token.cancel_query(crate::pool::cancel_connector()).await {
+                tracing::debug!(error = %err, "could not cancel the abandoned transaction's statement");
+            }
+        });
     }
 }
 

@@ -332,6 +332,13 @@ impl<E> Call<E> {
                 self.completed = kept;
                 Ok(answer(step, Reply::Fresh(value)))
             }
+            // A decline is stored as the key's outcome only when nothing
+            // the body wrote can have committed: not after it ended the
+            // transaction itself, nor swapped its connection (the loop
+            // answers those; in external mode the key stays held).
+            Err(err) if attempt.ended_by_body().is_some() || !attempt.holds_its_session().await => {
+                Err(err)
+            }
             Err(err) => match err.to_final() {
                 Some(stored) => match self.request.response(&stored) {
                     Ok(stored) => {

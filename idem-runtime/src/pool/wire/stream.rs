@@ -290,7 +290,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
             return Poll::Ready(Err(severed()));
         }
         if this.wire.sealed() {
-            this.wire.on_closed();
+            this.wire.on_sealed();
             return Poll::Ready(Err(io::Error::other(
                 "idem: the function's body ended idem's transaction itself; nothing more it sends goes out, and the connection is closed",
             )));
