@@ -236,7 +236,8 @@ impl Wire {
     /// transaction of its own that commits, or in a chained one without
     /// idem's bounds. The attempt fails either way (see
     /// [`crate::tx::Tx::ended_by_body`]); this keeps it from writing more.
-    /// Sent in a request with the end itself, a statement still runs.
+    /// What was sent before the server answered the end (in the same
+    /// request, or pipelined behind it) still runs (see `Wire::on_sealed`).
     pub(crate) fn guard(&self, begun: Option<Marks>) {
         let mut state = self.state();
         state.guard = begun;

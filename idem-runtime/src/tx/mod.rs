@@ -466,7 +466,8 @@ impl Tx {
     /// took away, with idem's transaction open on it, is closed wherever
     /// it is now held (a body's task, another checkout of the pool, idle
     /// in the pool's queue), and the one swapped in with what the body began
-    /// on it. Nothing is sent on either.
+    /// on it. Nothing is sent on either; a statement either still runs is
+    /// cancelled through a connection of its own.
     fn replaced(&mut self) {
         tracing::error!("the body swapped the connection it was lent for another; closing both, nothing committed (what either had begun rolls back)");
         if let Some(conn) = self.conn.as_ref() {
