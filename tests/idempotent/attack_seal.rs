@@ -5,25 +5,10 @@
 //! since (each says what it saw).
 
 use super::attack_ext::records_of;
+use super::attack_savepoint::no_session_left_in_a_transaction;
+use super::attack_swap::pid;
 use super::*;
-use diesel::sql_types::Integer;
 use futures_util::future::{join, join_all};
-
-async fn pid(conn: &mut AsyncPgConnection) -> Result<i32, diesel::result::Error> {
-    #[derive(QueryableByName)]
-    struct P {
-        #[diesel(sql_type = Integer)]
-        p: i32,
-    }
-    let query = diesel::sql_query("SELECT pg_backend_pid() AS p");
-    Ok(query.get_result::<P>(conn).await?.p)
-}
-
-async fn no_session_left_in_a_transaction(env: &Env, what: &str) {
-    idem_testing::stats::no_session_idle_in_transaction(&env.client, Duration::from_secs(3))
-        .await
-        .unwrap_or_else(|e| panic!("{what}: after the call, {e}"));
-}
 
 /// A correct body: its effect, a nested savepoint rolled back (a write in
 /// it), a failed statement undone to a savepoint, pipelined reads, a
@@ -175,7 +160,7 @@ async fn swaps_out_to_a_sleeper(
     if !sleeper {
         return Ok(1);
     }
-    let taken_pid = pid(conn).await?;
+    let taken_pid = pid(conn).await;
     pids.lock().unwrap().push(taken_pid);
     let mut taken = AsyncPgConnection::establish(url).await.unwrap();
     std::mem::swap(conn, &mut taken);

@@ -71,7 +71,7 @@ impl Foreign {
     }
 }
 
-async fn pid(conn: &mut AsyncPgConnection) -> i32 {
+pub(super) async fn pid(conn: &mut AsyncPgConnection) -> i32 {
     #[derive(QueryableByName)]
     struct P {
         #[diesel(sql_type = Integer)]

@@ -2,6 +2,7 @@
 //! transaction goes out) and the sever (the connection a body took away is
 //! closed wherever it is held). Tests named `found_..` showed defects, fixed
 //! since (each says what it saw).
+use super::attack_savepoint::no_session_left_in_a_transaction;
 use super::*;
 use futures_util::future::{join, join_all};
 
@@ -17,12 +18,6 @@ async fn items_from(env: &Env, base: i64) -> Vec<i64> {
         .iter()
         .map(|r| r.get(0))
         .collect()
-}
-
-async fn no_session_left_in_a_transaction(env: &Env, what: &str) {
-    idem_testing::stats::no_session_idle_in_transaction(&env.client, Duration::from_secs(3))
-        .await
-        .unwrap_or_else(|e| panic!("{what}: after the call, {e}"));
 }
 
 /// Correct SQL sent by hand, request by request (`{5}`: base + 5, an item

@@ -18,7 +18,7 @@ async fn items_in(env: &Env, ids: &str) -> i64 {
 /// No backend of the test's database stays idle inside a transaction: a
 /// closed connection's backend goes within moments, one returned to the
 /// pool in a transaction stays.
-async fn no_session_left_in_a_transaction(env: &Env, what: &str) {
+pub(super) async fn no_session_left_in_a_transaction(env: &Env, what: &str) {
     idem_testing::stats::no_session_idle_in_transaction(&env.client, Duration::from_secs(3))
         .await
         .unwrap_or_else(|e| panic!("{what}: after the call, {e}"));
