@@ -129,9 +129,9 @@ impl Attempt {
     /// Whether the connection in the attempt's slot is still the one its
     /// transaction began on: not when the body swapped it for another
     /// (see [`crate::pool`]). True before the transaction opens.
-    pub(crate) async fn holds_its_session(&self) -> bool {
+    pub(crate) fn holds_its_session(&self) -> bool {
         match self.tx.as_ref() {
-            Some(tx) => tx.holds_its_session().await,
+            Some(tx) => tx.holds_its_session(),
             None => true,
         }
     }

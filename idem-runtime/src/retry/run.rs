@@ -334,7 +334,7 @@ impl<'p> RetryLoop<'p> {
         // write again through the one it swapped in. (A commit checks it
         // before `COMMIT`, see `Tx::refuse`.)
         let rolls_back = matches!(result, Ok(Step::Again(_)) | Err(_));
-        if rolls_back && !attempt.holds_its_session().await {
+        if rolls_back && !attempt.holds_its_session() {
             attempt.roll_back().instrument(self.span.clone()).await;
             return self.done(
                 Err(E::from(Error::ConnectionReplaced)),

@@ -351,7 +351,7 @@ impl Tx {
             return false;
         }
         self.unguard();
-        if !self.holds_its_session().await {
+        if !self.holds_its_session() {
             self.replaced();
             return false;
         }
@@ -432,7 +432,7 @@ impl Tx {
     pub(crate) async fn refuse(&mut self, timeout: Duration) -> Option<CommitFailure> {
         // Checked first: every other check reads the wire, which watches
         // the session idem began on, not the one swapped in.
-        if !self.holds_its_session().await {
+        if !self.holds_its_session() {
             self.replaced();
             return Some(CommitFailure::Replaced);
         }
@@ -484,9 +484,9 @@ impl Tx {
 
     /// Whether the connection in the transaction's slot is still the one
     /// it began on (see [`crate::pool::Connection::holds_its_session`]).
-    pub(crate) async fn holds_its_session(&self) -> bool {
+    pub(crate) fn holds_its_session(&self) -> bool {
         match self.conn.as_ref() {
-            Some(conn) => conn.holds_its_session().await,
+            Some(conn) => conn.holds_its_session(),
             None => true,
         }
     }

@@ -322,7 +322,7 @@ impl<E> Call<E> {
                     // The record must not go to a connection the body
                     // swapped in, where it might commit on its own: the
                     // outside call may have run, and the key stays held.
-                    if !attempt.holds_its_session().await {
+                    if !attempt.holds_its_session() {
                         return Err(E::from(Error::ConnectionReplaced));
                     }
                     self.completed = self.record(attempt.conn(), Outcome::Ok, &response).await?;
@@ -336,7 +336,7 @@ impl<E> Call<E> {
             // the body wrote can have committed: not after it ended the
             // transaction itself, nor swapped its connection (the loop
             // answers those; in external mode the key stays held).
-            Err(err) if attempt.ended_by_body().is_some() || !attempt.holds_its_session().await => {
+            Err(err) if attempt.ended_by_body().is_some() || !attempt.holds_its_session() => {
                 Err(err)
             }
             Err(err) => match err.to_final() {
