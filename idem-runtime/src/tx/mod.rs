@@ -341,7 +341,8 @@ impl Tx {
     }
 
     /// Roll back, or discard the connection when that fails or goes
-    /// unanswered: either way the transaction is gone. A failing rollback is
+    /// unanswered, cancelling what its backend may still run: either way
+    /// the transaction is gone. A failing rollback is
     /// logged, never returned, so it cannot hide the error that caused it.
     ///
     /// Returns true when the connection turned out to be lost: the
@@ -383,7 +384,11 @@ impl Tx {
                 tracing::warn!(error = %err, "ROLLBACK failed; discarding the connection");
                 let lost = err.transient() == Some(RetryCause::ConnectionLost)
                     || self.wire().is_some_and(Wire::closed);
-                self.discard();
+                // The backend may still run what was sent before: a request
+                // a body pipelined behind its own end of the transaction,
+                // whose connection the seal closed (see `Wire::guard`), runs
+                // on in the chained transaction, without idem's bounds.
+                self.cancel_and_discard();
                 lost
             }
             Err(_elapsed) => {

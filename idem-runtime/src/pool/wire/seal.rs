@@ -18,7 +18,9 @@ impl Wire {
     /// idem's bounds. The attempt fails either way (see
     /// [`crate::tx::Tx::ended_by_body`]); this keeps it from writing more.
     /// What was sent before the server answered the end (in the same
-    /// request, or pipelined behind it) still runs (see `Wire::on_sealed`).
+    /// request, or pipelined behind it) still runs (see `Wire::on_sealed`);
+    /// the attempt's rollback cancels it, finding the connection closed
+    /// (see [`crate::tx::Tx::roll_back`]).
     pub(crate) fn guard(&self, begun: Option<Marks>) {
         let mut state = self.state();
         state.guard = begun;
