@@ -7,7 +7,7 @@ use super::*;
 use futures_util::future::{join, join_all};
 
 /// Items `base..base + 10` committed, in order.
-async fn items_from(env: &Env, base: i64) -> Vec<i64> {
+pub(super) async fn items_from(env: &Env, base: i64) -> Vec<i64> {
     env.client
         .query(
             "SELECT id FROM items WHERE id >= $1 AND id < $1 + 10 ORDER BY id",
@@ -247,7 +247,7 @@ async fn plain_bump(conn: &mut AsyncPgConnection, calls: &AtomicU32) -> Result<(
 }
 
 /// The next call on the pool of one, and a bare checkout, work at once.
-async fn pool_serves(env: &Env, what: &str) {
+pub(super) async fn pool_serves(env: &Env, what: &str) {
     let calls = AtomicU32::new(0);
     let r = plain_bump(&env.pool, &calls).await;
     assert!(r.is_ok() && count(&calls) == 1, "{what}: {r:?}");
@@ -501,7 +501,7 @@ async fn found_a_swapping_body_that_fails_transiently_is_replayed() {
 
 /// Side session: set counter 3 under a 2 s lock timeout; how long it took,
 /// or the error.
-async fn lock_free_within(env: &Env) -> Result<Duration, String> {
+pub(super) async fn lock_free_within(env: &Env) -> Result<Duration, String> {
     let started = Instant::now();
     env.client
         .batch_execute(

@@ -31,6 +31,7 @@ mod test_pool;
 
 mod attack_savepoint;
 mod attack_seal;
+mod attack_session34;
 mod budget;
 mod closure_form;
 mod connections;
