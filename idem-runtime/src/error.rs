@@ -90,8 +90,11 @@ pub enum Error {
     /// now held (a task of the body's, another checkout, the pool's idle
     /// queue), which rolls back idem's transaction and frees its locks. In
     /// external mode the outcome is not recorded: the key stays held. Only
-    /// what the body wrote outside any transaction on a connection of its
-    /// own is kept (as any write through a second connection would be). Not
+    /// what the body committed itself is kept: what it wrote outside any
+    /// transaction on a connection of its own (as any write through a
+    /// second connection would be), or a `COMMIT` it sent by hand on either
+    /// connection, idem's included once in its hands (idem cannot tell
+    /// which; treat the call's writes as possibly committed). Not
     /// replayed: the body would do the same again. A bug in the body (500).
     #[error("the body swapped the connection it was lent for another: idem committed nothing, and closed both connections; not replayed")]
     ConnectionReplaced,

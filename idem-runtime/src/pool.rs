@@ -150,6 +150,12 @@ pub enum Pooler {
     /// changed that way; behind a pooler that closes only its connection to
     /// the pooler. Keep to `SET LOCAL`, or have PgBouncer reset its server
     /// connections (`server_reset_query_always = 1`).
+    /// A body that ends the transaction itself (a `COMMIT` or `ROLLBACK` of
+    /// its own, answered `TransactionEnded`) and pipelines a request behind
+    /// it is worse off here: that request runs outside any transaction on a
+    /// server connection the pooler has already taken back (PgBouncer 1.18
+    /// does, at the end's idle status), so the next client given it waits
+    /// behind it; and no cancel is sent through a pooler.
     /// Everything idem runs through the pool is inside a transaction, and its
     /// per-attempt settings are `SET LOCAL`, which end with it. Code of your
     /// own on a pooled connection should keep to transactions too: a

@@ -36,7 +36,6 @@ use std::time::Duration;
 use deadpool::managed::Object;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::QueryResult;
-use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
 };
@@ -326,7 +325,7 @@ impl Tx {
             // `RELEASE SAVEPOINT` of a savepoint the body left open (and
             // then released or rolled back by hand), which leaves the
             // transaction open, failed.
-            Ok(Err(err)) if PoolableConnection::is_broken(self.conn()) => {
+            Ok(Err(err)) if self.counted_open() => {
                 tracing::error!(error = %err, "the body left a savepoint open: COMMIT was a RELEASE SAVEPOINT, which failed; closing the connection, nothing committed");
                 self.discard();
                 Err(CommitFailure::SavepointOpen)
@@ -501,8 +500,21 @@ impl Tx {
     /// body left open made it a `RELEASE SAVEPOINT` or a `ROLLBACK TO
     /// SAVEPOINT`) or as the server last said (a body that told
     /// diesel-async's manager its transaction was a test transaction).
+    ///
+    /// Not `PoolableConnection::is_broken`, which is also true of a closed
+    /// connection: a backend that ends right after answering `COMMIT` (a
+    /// kill, a failover) would make a committed transaction read as a
+    /// savepoint left open, "nothing committed".
     fn still_open(&mut self) -> bool {
-        self.wire().is_some_and(Wire::in_block) || PoolableConnection::is_broken(self.conn())
+        self.wire().is_some_and(Wire::in_block) || self.counted_open()
+    }
+
+    /// Whether diesel-async's transaction manager still counts a
+    /// transaction (or lost track of it), whatever became of the socket.
+    fn counted_open(&mut self) -> bool {
+        <AnsiTransactionManager as TransactionManager<AsyncPgConnection>>::is_broken_transaction_manager(
+            self.conn(),
+        )
     }
 
     /// The refusal that failed the transaction, or the one of the request
@@ -588,6 +600,14 @@ impl Drop for Tx {
         self.unguard();
         if self.open {
             tracing::warn!("transaction dropped while open; closing its connection");
+            // A call dropped (or a body that panicked) after swapping the
+            // connection: the one in the slot is not idem's, and the one
+            // taken away, wherever it is held, still has idem's transaction
+            // open; both go, as on every other path (see `Tx::replaced`).
+            if !self.holds_its_session() {
+                self.replaced();
+                return;
+            }
             self.cancel_and_discard();
         }
     }
