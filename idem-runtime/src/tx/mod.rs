@@ -33,7 +33,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool::managed::Object;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::QueryResult;
 use diesel_async::{
@@ -44,6 +43,7 @@ use crate::cause::{from_sqlstate, RetryCause, Transient};
 use crate::pool::{Marks, PooledConnection, Refusal, Replication, Row, Wire};
 
 mod begin;
+mod close;
 mod pipeline;
 mod prepared;
 pub use begin::Isolation;
@@ -466,35 +466,6 @@ impl Tx {
         }
     }
 
-    /// The body swapped the connection it was lent for another: the one it
-    /// took away, with idem's transaction open on it, is closed wherever
-    /// it is now held (a body's task, another checkout of the pool, idle
-    /// in the pool's queue), and the one swapped in with what the body began
-    /// on it. Nothing is sent on either; a statement either still runs is
-    /// cancelled through a connection of its own.
-    fn replaced(&mut self) {
-        tracing::error!("the body swapped the connection it was lent for another; closing both, nothing committed (what either had begun rolls back)");
-        if let Some(conn) = self.conn.as_ref() {
-            // A statement it still runs keeps the transaction and its locks
-            // until it ends (the server notices a closed socket only when
-            // it next writes): cancelled, as `cancel_and_discard` does.
-            if conn.wire().keeps_session_statements() {
-                cancel(conn.made_with());
-            }
-            conn.wire().sever();
-        }
-        self.cancel_and_discard();
-    }
-
-    /// Whether the connection in the transaction's slot is still the one
-    /// it began on (see [`crate::pool::Connection::holds_its_session`]).
-    pub(crate) fn holds_its_session(&self) -> bool {
-        match self.conn.as_ref() {
-            Some(conn) => conn.holds_its_session(),
-            None => true,
-        }
-    }
-
     /// After a `COMMIT` or `ROLLBACK` diesel-async answered `Ok`: whether a
     /// transaction is still open, as diesel-async counts (a savepoint the
     /// body left open made it a `RELEASE SAVEPOINT` or a `ROLLBACK TO
@@ -543,72 +514,5 @@ impl Tx {
                 .into_iter()
                 .find_map(|r| from_sqlstate(&r.code, r.ran, bounds))
         })
-    }
-
-    /// Close the connection instead of returning it to the pool.
-    pub(crate) fn discard(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            drop(Object::take(conn));
-        }
-        self.open = false;
-    }
-
-    /// Cancel the statement the server may still be running for this
-    /// transaction, then close the connection.
-    ///
-    /// Closing the socket alone does not end a running statement: the backend
-    /// notices the closed connection only when it next writes to it, and keeps
-    /// its transaction and row locks until then (a `pg_sleep(60)` holds them a
-    /// minute). A cancel request, sent on a connection of its own, stops it at
-    /// once; the backend then reads the closed socket, rolls back and exits.
-    /// Best effort: without a Tokio runtime, or when the server refuses a
-    /// cancel request without TLS, the statement runs to its end.
-    pub(crate) fn cancel_and_discard(&mut self) {
-        // Behind a transaction pooler the cancel of a client that is closing
-        // is dropped anyway, and PgBouncer 1.18 (Debian 12) exits when a
-        // cancel it is forwarding meets that client's disconnect, taking
-        // every client down (seen in CI after a panicking body's
-        // transaction was dropped): none is sent there.
-        // `client_connection_check_interval` on the server ends the
-        // statement instead (see `Pooler`).
-        let pooled = self.wire().is_some_and(|w| !w.keeps_session_statements());
-        if let Some(conn) = self.conn.as_ref().filter(|_| !pooled) {
-            cancel(conn.cancel_token());
-        }
-        // Closed at once, not after the cancel, which needs no answer.
-        self.discard();
-    }
-}
-
-/// Send a cancel request for the statement `token`'s backend runs, on a
-/// connection of its own, without waiting. Best effort: without a Tokio
-/// runtime, or when the server refuses a cancel request without TLS, the
-/// statement runs to its end.
-fn cancel(token: tokio_postgres::CancelToken) {
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(async move {
-            if let Err(err) = token.cancel_query(crate::pool::cancel_connector()).await {
-                tracing::debug!(error = %err, "could not cancel the abandoned transaction's statement");
-            }
-        });
-    }
-}
-
-impl Drop for Tx {
-    fn drop(&mut self) {
-        // A connection goes back to the pool unguarded, whatever the path.
-        self.unguard();
-        if self.open {
-            tracing::warn!("transaction dropped while open; closing its connection");
-            // A call dropped (or a body that panicked) after swapping the
-            // connection: the one in the slot is not idem's, and the one
-            // taken away, wherever it is held, still has idem's transaction
-            // open; both go, as on every other path (see `Tx::replaced`).
-            if !self.holds_its_session() {
-                self.replaced();
-                return;
-            }
-            self.cancel_and_discard();
-        }
     }
 }
