@@ -480,18 +480,7 @@ async fn the_cancel_of_a_failed_rollback_stops_only_its_own_backend() {
             assert!(!items.contains(&(id + 1)), "{end}: written after the end");
             assert!(items.contains(&(id + 5)), "{end}: the next call committed");
             assert_eq!(count(&calls), 1, "{end}: never replayed");
-            let running = format!(
-                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%{tag}%' \
-                 AND pid <> pg_backend_pid()"
-            );
-            let mut left = env.scalar_i64(&running).await;
-            for _ in 0..40 {
-                if left == 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                left = env.scalar_i64(&running).await;
-            }
+            let left = env.running_after(&tag).await;
             assert_eq!(left, 0, "{end}: the sleep behind the end still runs");
             no_session_left_in_a_transaction(&env, end).await;
             id += 10;

@@ -393,23 +393,12 @@ async fn what_a_body_pipelined_behind_its_end_is_cancelled() {
         ),
         "{result:?}"
     );
-    let running = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%{tag}%' \
-         AND query NOT LIKE '%pg_stat_activity%'"
-    );
-    let mut left = env.scalar_i64(&running).await;
-    for _ in 0..40 {
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        left = env.scalar_i64(&running).await;
-    }
     if env.db.via().is_transaction_pooling() {
         // No cancel goes through a transaction pooler (see
         // `Pooler::TransactionPooling`): only the call's answer is asserted.
         return;
     }
+    let left = env.running_after(tag).await;
     assert_eq!(
         left, 0,
         "the sleep pipelined behind the end still runs 2 s later"

@@ -128,6 +128,24 @@ async fn side_connection(url: &str) -> tokio_postgres::Client {
 }
 
 impl Env {
+    /// How many other sessions still run a statement whose text holds
+    /// `tag`, once none does or 2 s have passed.
+    async fn running_after(&self, tag: &str) -> i64 {
+        let running = format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%{tag}%' \
+             AND pid <> pg_backend_pid()"
+        );
+        let mut left = self.scalar_i64(&running).await;
+        for _ in 0..40 {
+            if left == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            left = self.scalar_i64(&running).await;
+        }
+        left
+    }
+
     async fn scalar_i64(&self, query: &str) -> i64 {
         self.client
             .query_one(query, &[])
