@@ -7,7 +7,7 @@ use super::attack_savepoint::no_session_left_in_a_transaction;
 use super::attack_seal::{items_from, lock_free_within, pool_serves};
 use super::*;
 use diesel_async::{AnsiTransactionManager, TransactionManager};
-use futures_util::future::join;
+use futures_util::future::{join, join3};
 use idem::pool::PooledConnection;
 use std::sync::atomic::AtomicBool;
 
@@ -491,7 +491,11 @@ async fn the_cancel_of_a_failed_rollback_stops_only_its_own_backend() {
 
 /// Writes item `id`, then `PREPARE TRANSACTION` (refused here, which ends
 /// the transaction) with a write of item `id + 1` pipelined behind it, both
-/// awaited; returns what the pair returned, or `Ok`.
+/// awaited; returns what the pair returned, or `Ok`. A nap pipelined ahead
+/// of the pair holds the end's answer back 200 ms: the seal refuses what is
+/// written after the end is answered, and without the nap a worker thread
+/// descheduled between sending the end and the write (seen once in CI) let
+/// the answer in first, so the write was refused instead of pipelined.
 #[retryable(max = 3, deadline_ms = 3000)]
 async fn prepares_with_a_write_behind(
     conn: &mut AsyncPgConnection,
@@ -503,12 +507,14 @@ async fn prepares_with_a_write_behind(
     insert_item(conn, id).await?;
     let write = format!("INSERT INTO items VALUES ({})", id + 1);
     let shared: &AsyncPgConnection = conn;
-    let (mut a, mut b) = (shared, shared);
-    let (prepared, written) = join(
+    let (mut nap, mut a, mut b) = (shared, shared, shared);
+    let (napped, prepared, written) = join3(
+        nap.batch_execute("SELECT pg_sleep(0.2)"),
         a.batch_execute("PREPARE TRANSACTION 'p34'"),
         b.batch_execute(&write),
     )
     .await;
+    napped?;
     if returns_err {
         prepared?;
         written?;
