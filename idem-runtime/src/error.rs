@@ -79,8 +79,12 @@ pub enum Error {
     /// `select!`, say), or a `begin_transaction` without its end. diesel-async
     /// would have sent `RELEASE SAVEPOINT` where the `COMMIT` belongs and left
     /// the transaction open; idem closed the connection instead, so nothing
-    /// was committed, and the open part's writes are not kept half-done. Not
-    /// replayed: the body would do the same again. A bug in the body (500).
+    /// was committed, and the open part's writes are not kept half-done.
+    /// Also when the future was dropped while the savepoint's own
+    /// `SAVEPOINT`, `RELEASE SAVEPOINT` or `ROLLBACK TO SAVEPOINT` was
+    /// unanswered: diesel-async then no longer knows how deep the
+    /// transaction is. Not replayed: the body would do the same again. A bug
+    /// in the body (500).
     #[error("the body returned with a savepoint still open (a conn.transaction(..) whose future was dropped before it finished?): nothing was committed; not replayed")]
     SavepointOpen,
     /// The body swapped the connection it was lent for another

@@ -10,13 +10,13 @@ use idem_testing::proxy::{Fault, Proxy};
 // Faults on the wire
 // ---------------------------------------------------------------------------
 
-struct ProxyEnv {
-    env: Env,
-    proxy: Proxy,
-    pool: Pool,
+pub(super) struct ProxyEnv {
+    pub(super) env: Env,
+    pub(super) proxy: Proxy,
+    pub(super) pool: Pool,
 }
 
-async fn proxy_env() -> ProxyEnv {
+pub(super) async fn proxy_env() -> ProxyEnv {
     let env = env(2).await;
     let proxy = Proxy::start(env.db.url()).await.unwrap();
     let pool = build_pool_with(
@@ -85,7 +85,13 @@ async fn attack_backend_terminated_while_commit_in_flight() {
         let pool = pool.clone();
         tokio::spawn(async move { body_runs(&pool, "t1", "term", "").await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Once the proxy holds the record and COMMIT (not after a fixed nap,
+    // which a loaded machine can outrun or fall behind).
+    let started = Instant::now();
+    while p.proxy.fired() == 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "never held");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let killed: i64 = env
         .client
         .query_one(

@@ -33,6 +33,7 @@ mod attack_swap;
 mod attack_wire;
 mod closing;
 mod derived_keys;
+mod dropped_savepoint;
 mod external;
 mod held_commit;
 mod hostile;

@@ -37,6 +37,7 @@ mod closure_form;
 mod connections;
 mod deadline;
 mod deadline_external;
+mod dropped_savepoint;
 mod nesting;
 mod not_replayed;
 mod open_savepoint;
@@ -106,6 +107,19 @@ struct Env {
     client: Arc<tokio_postgres::Client>,
     pool: Pool,
     db: TestDatabase,
+}
+
+/// A pool of one connection to `url` (a proxy's, say), waiting up to 10 s.
+fn pool_of_one(url: &str) -> Pool {
+    build_pool_with(
+        url,
+        &PoolConfig {
+            max_size: 1,
+            wait_timeout: Duration::from_secs(10),
+            ..Default::default()
+        },
+    )
+    .expect("a pool")
 }
 
 async fn env(pool_size: usize) -> Env {

@@ -355,6 +355,13 @@ impl Tx {
             self.replaced();
             return false;
         }
+        if !self.unmanaged && self.lost_track() {
+            // Closed, which rolls back; what the dropped statement left
+            // running is cancelled.
+            tracing::warn!("the body dropped a savepoint's statement before its answer; closing the connection");
+            self.cancel_and_discard();
+            return false;
+        }
         let rolled_back = if self.unmanaged {
             let mut shared: &AsyncPgConnection = self.conn();
             tokio::time::timeout(timeout, shared.batch_execute("ROLLBACK")).await
@@ -450,6 +457,11 @@ impl Tx {
         }
         let refusal = match self.ended_by_body() {
             Some(committed) => CommitFailure::EndedByBody { committed },
+            None if self.lost_track() => {
+                tracing::error!("the body dropped a savepoint's SAVEPOINT, RELEASE or ROLLBACK TO before its answer: the transaction's depth is unknown; closing the connection, nothing committed");
+                self.discard();
+                return Some(CommitFailure::SavepointOpen);
+            }
             None if self.wire().is_some_and(Wire::unfinished) => {
                 CommitFailure::RolledBack(self.failure_cause())
             }
@@ -486,6 +498,31 @@ impl Tx {
         <AnsiTransactionManager as TransactionManager<AsyncPgConnection>>::is_broken_transaction_manager(
             self.conn(),
         )
+    }
+
+    /// Whether diesel-async lost track of the transaction's depth: the body
+    /// dropped a future of its transaction manager (a nested
+    /// `conn.transaction(..)` given a timeout, say) while its `SAVEPOINT`,
+    /// `RELEASE SAVEPOINT` or `ROLLBACK TO SAVEPOINT` was unanswered. The
+    /// manager then counts the savepoint or not, whatever the server did,
+    /// and its next transaction statement (idem's `COMMIT` or `ROLLBACK`)
+    /// would panic in a debug build or go to the wrong depth in a release
+    /// one. diesel-async reports that flag only together with "a
+    /// transaction is open"; read with its status set aside for the
+    /// moment (a fresh one: no transaction), it is the flag alone.
+    fn lost_track(&mut self) -> bool {
+        type Manager = AnsiTransactionManager;
+        let conn = self.conn();
+        let status = std::mem::take(
+            <Manager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(
+                conn,
+            ),
+        );
+        let lost =
+            <Manager as TransactionManager<AsyncPgConnection>>::is_broken_transaction_manager(conn);
+        *<Manager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(conn) =
+            status;
+        lost
     }
 
     /// The refusal that failed the transaction, or the one of the request
