@@ -52,7 +52,8 @@ async fn a_commit_wakes_an_idle_relay_through_notify() {
     let relay =
         Relay::new(env.pool.clone(), env.publisher().await).poll_interval(Duration::from_secs(60));
     let running = Running::start(relay);
-    // Let it finish its first (empty) round and LISTEN.
+    // Let it finish its first (empty) round and LISTEN (had it not yet,
+    // its round after `LISTEN` sends the event: see the next test).
     tokio::time::sleep(Duration::from_millis(500)).await;
     change(&env.pool, "a").await.expect("change");
     let start = Instant::now();
@@ -68,5 +69,47 @@ async fn a_commit_wakes_an_idle_relay_through_notify() {
             .await,
         1
     );
+    running.stop().await;
+}
+
+/// Found by an audit of the suite's timing: an event committed after the
+/// relay's round claimed and before its `LISTEN` took effect notified no
+/// one, and waited for the next poll (a minute here). The proxy holds the
+/// `LISTEN` 1 s, and the event is committed meanwhile: the relay, which
+/// now looks once more when it starts listening, sends it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_committed_before_listen_takes_effect_is_sent_at_once() {
+    use idem_testing::proxy::{Fault, Proxy};
+    let env = env("prelisten", Duration::from_secs(120)).await;
+    let proxy = Proxy::start(env.db.url()).await.expect("a proxy");
+    let pool = build_pool_with(
+        proxy.url(),
+        &PoolConfig {
+            max_size: 4,
+            wait_timeout: Duration::from_secs(10),
+            ..PoolConfig::default()
+        },
+    )
+    .expect("a pool");
+    proxy.arm(
+        "LISTEN idem_outbox",
+        Fault::HoldRequest(Duration::from_secs(1)),
+    );
+    let relay = Relay::new(pool, env.publisher().await).poll_interval(Duration::from_secs(60));
+    let running = Running::start(relay);
+    let start = Instant::now();
+    while proxy.fired() == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "never listened");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    change(&env.pool, "a").await.expect("change");
+    let start = Instant::now();
+    while env.stream_count().await == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the event waited for the next poll"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     running.stop().await;
 }

@@ -251,6 +251,13 @@ impl<P: Publisher> Relay<P> {
             }
             if self.listen && listener.is_none() {
                 listener = self.listener().await;
+                if listener.is_some() {
+                    // An event committed after this round claimed and before
+                    // `LISTEN` took effect notified no one: look once more,
+                    // now that a commit cannot go unheard, rather than leave
+                    // it for the next poll.
+                    continue;
+                }
             }
             tokio::select! {
                 () = shutdown.as_mut() => return Ok(()),
