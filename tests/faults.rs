@@ -380,7 +380,8 @@ async fn a_held_external_commit_is_bounded_by_the_commit_timeout() {
         "{result:?}"
     );
     assert!(
-        elapsed < Duration::from_secs(1),
+        // Well under the 3 s hold, with room for a loaded machine.
+        elapsed < Duration::from_secs(2),
         "commit_timeout_ms = 200 bounds the call, recording included: {elapsed:?}"
     );
     // Whatever the held COMMIT did in the end, the key never runs again.

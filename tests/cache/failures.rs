@@ -42,7 +42,7 @@ async fn redis_down_falls_through_with_the_same_bytes() {
 }
 
 /// Redis frozen (SIGSTOP: connected, silent): each lookup gives up after
-/// the 30 ms timeout and the database answers with the same bytes.
+/// the cache's timeout and the database answers with the same bytes.
 #[tokio::test]
 async fn a_frozen_redis_costs_at_most_its_timeout() {
     let env = env().await;

@@ -249,9 +249,13 @@ fn shared_cache() -> ReplayCache {
     ReplayCache::with_config(&url, config).expect("a cache")
 }
 
-/// A cache on `server`, with the default 30 ms timeout and a short back-off.
+/// A cache on `server`, with a short back-off and a 250 ms timeout: the
+/// default 30 ms also bounds Redis's lazy first connect, which a loaded
+/// machine can miss; the back-off would then skip Redis and fail a test
+/// that counts what Redis answered.
 fn cache_on(server: &idem_testing::redis::RedisServer) -> ReplayCache {
     let config = CacheConfig::new()
+        .timeout(Duration::from_millis(250))
         .backoff(Duration::from_millis(500))
         .recheck(Duration::from_secs(60));
     ReplayCache::with_config(server.url(), config).expect("a cache")

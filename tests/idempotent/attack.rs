@@ -512,7 +512,7 @@ async fn attack_lock_held_elsewhere_then_released() {
     // Cold connection: statements to prepare in the same message as the wait.
     let call = {
         let pool = pool.clone();
-        tokio::spawn(async move { body_runs_once(&pool, "locked", "locked", "").await })
+        tokio::spawn(async move { body_runs(&pool, "locked", "locked", "").await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(env.effects("locked").await, 0);

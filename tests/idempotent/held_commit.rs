@@ -116,7 +116,8 @@ async fn a_held_local_commit_is_commit_unknown_within_the_commit_timeout() {
         "{result:?}"
     );
     assert!(
-        elapsed < Duration::from_secs(1),
+        // Well under the 3 s hold, with room for a loaded machine.
+        elapsed < Duration::from_secs(2),
         "bounded by 200 ms: {elapsed:?}"
     );
     // Past the held COMMIT, whatever it did.

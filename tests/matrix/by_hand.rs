@@ -124,8 +124,10 @@ async fn a_statement_still_running_at_commit_is_rolled_back() {
         async move {
             record_effect(conn, "dropped", 1).await?;
             let slow = diesel::sql_query("SELECT pg_sleep(3)").execute(conn);
-            // Sent, then dropped unanswered.
-            let _ = tokio::time::timeout(std::time::Duration::from_millis(50), slow).await;
+            // Sent, then dropped unanswered. A prepared statement goes out
+            // after its own round trip (Parse): 500 ms, not 50, so that a
+            // loaded machine still sends the sleep before the drop.
+            let _ = tokio::time::timeout(std::time::Duration::from_millis(500), slow).await;
             Ok(())
         }
         .scope_boxed()

@@ -335,7 +335,9 @@ async fn ends_then_sends(
     let insert = format!("INSERT INTO items VALUES ({id})");
     let probe = "SELECT nextval('probe'); SELECT pg_sleep(2)";
     if dropped {
-        let end = format!("{end}; SELECT pg_sleep(0.1)");
+        // A nap long enough that the 20 ms timer fires first on a loaded
+        // machine too.
+        let end = format!("{end}; SELECT pg_sleep(0.3)");
         let cut = tokio::time::timeout(Duration::from_millis(20), conn.batch_execute(&end));
         assert!(cut.await.is_err(), "dropped before its answer");
         conn.batch_execute(probe).await?;
