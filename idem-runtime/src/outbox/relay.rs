@@ -166,7 +166,9 @@ impl<P: Publisher> Relay<P> {
     /// relay wakes at commit instead of at its next poll. Default true; the
     /// connection is one of the pool's, kept for as long as the relay runs
     /// (size the pool for it). A broken listener is made again, and until
-    /// then the relay polls.
+    /// then the relay polls. Each time it starts listening the relay looks
+    /// once more, so an event committed before `LISTEN` took effect is not
+    /// left for the next poll.
     pub fn listen(mut self, on: bool) -> Self {
         self.listen = on;
         self
