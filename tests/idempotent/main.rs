@@ -25,6 +25,7 @@ mod test_pool;
 
 mod attack;
 mod attack_body;
+mod attack_dropped;
 mod attack_ext;
 mod attack_savepoint;
 mod attack_seal;

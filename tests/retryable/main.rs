@@ -29,6 +29,7 @@ use tokio::sync::Barrier;
 #[path = "../support/pool.rs"]
 mod test_pool;
 
+mod attack_dropped;
 mod attack_savepoint;
 mod attack_seal;
 mod attack_session34;

@@ -42,10 +42,12 @@ use tokio::sync::Notify;
 mod frame;
 mod reported;
 mod ride;
+mod says;
 mod seal;
 mod stream;
 
 pub(crate) use ride::{Answer, MalformedRow, Row};
+use says::Says;
 pub(crate) use stream::Observe;
 #[cfg(test)]
 use stream::Observed;
@@ -113,6 +115,9 @@ struct Sent {
     at: Instant,
     /// Whether a statement it runs names `CHAIN` (see [`Wire::on_ready`]).
     chained: bool,
+    /// Whether a statement it runs may commit (see
+    /// [`Wire::unanswered_may_commit`]).
+    commit: bool,
 }
 
 #[derive(Debug, Default)]
@@ -345,6 +350,14 @@ impl Wire {
         Box::pin(self.answered_within(within)).await
     }
 
+    /// Whether a request still unanswered may commit the transaction (a
+    /// `COMMIT` whose future the body dropped, say): idem's cancel and
+    /// close, which roll back what is still running, may come after the
+    /// server ran it. Such a request counts as committed.
+    pub(crate) fn unanswered_may_commit(&self) -> bool {
+        self.state().sent.iter().any(|sent| sent.commit)
+    }
+
     /// Every request sent has its answer (or the connection ended).
     fn answered(&self) -> bool {
         let state = self.state();
@@ -371,15 +384,17 @@ impl Wire {
     /// a thread preempted between the write and the clock would date the
     /// requests late, and a lock timeout that ran its full bound would look
     /// shorter than the loop's own (see [`crate::cause::from_sqlstate`]).
-    fn on_sent(&self, requests: &[bool], rewritten: bool, at: Instant) {
+    fn on_sent(&self, requests: &[Says], rewritten: bool, at: Instant) {
         let mut state = self.state();
         if rewritten {
             let ahead = state.sent.len();
             state.ride.on_written(ahead);
         }
-        state
-            .sent
-            .extend(requests.iter().map(|&chained| Sent { at, chained }));
+        state.sent.extend(requests.iter().map(|says| Sent {
+            at,
+            chained: says.chain,
+            commit: says.commit,
+        }));
     }
 
     fn on_error(&self, code: [u8; 5], fatal: bool) {

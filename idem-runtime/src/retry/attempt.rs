@@ -223,10 +223,16 @@ impl Attempt {
         self.tx.as_ref().is_some_and(Tx::statement_lost)
     }
 
-    /// Whether the body ended (or began) a transaction itself; `Some(true)`
-    /// when it committed what it had written.
-    pub(crate) fn ended_by_body(&self) -> Option<bool> {
-        self.tx.as_ref().and_then(Tx::ended_by_body)
+    /// Whether the body ended (or began) a transaction itself, once what it
+    /// sent is answered (up to the commit timeout; see
+    /// [`Tx::ended_by_body_settled`]); `Some(true)` when it committed what
+    /// it had written. What a body that returned an error, or a step back
+    /// to the loop, is decided on.
+    pub(crate) async fn ended_by_body_settled(&self) -> Option<bool> {
+        match &self.tx {
+            Some(tx) => tx.ended_by_body_settled(self.commit_timeout).await,
+            None => None,
+        }
     }
 
     pub(crate) async fn commit(&mut self) -> Result<(), CommitFailure> {

@@ -350,7 +350,7 @@ impl<'p> RetryLoop<'p> {
                 // A decline to store, or a repeat idem asks for, after the
                 // body ended the transaction itself: what it committed by
                 // hand must not be written again, nor a decline stored.
-                if let Some(committed) = attempt.ended_by_body() {
+                if let Some(committed) = attempt.ended_by_body_settled().await {
                     attempt.roll_back().instrument(self.span.clone()).await;
                     return self.done(
                         Err(E::from(Error::TransactionEnded { committed })),
@@ -407,7 +407,7 @@ impl<'p> RetryLoop<'p> {
                 // What failed on the attempt decides, not the error the body
                 // chose to return: a dead transaction is replayed whatever
                 // the body made of its error.
-                if let Some(committed) = attempt.ended_by_body() {
+                if let Some(committed) = attempt.ended_by_body_settled().await {
                     // What the body committed by hand must not be written again.
                     attempt.roll_back().instrument(self.span.clone()).await;
                     return self.done(

@@ -431,6 +431,19 @@ impl Tx {
         self.wire()?.marks().since(self.begun)
     }
 
+    /// [`Tx::ended_by_body`] once what the body sent is answered, waiting
+    /// up to `timeout`: the answer to an end the body stopped waiting for
+    /// (a `COMMIT` future it dropped before returning an error) may still
+    /// be on its way. A request unanswered then that may commit counts as
+    /// committed.
+    pub(crate) async fn ended_by_body_settled(&self, timeout: Duration) -> Option<bool> {
+        let wire = self.wire()?;
+        if !wire.settled(timeout).await && wire.unanswered_may_commit() {
+            return Some(true);
+        }
+        self.ended_by_body()
+    }
+
     /// Why this transaction must not be committed, if it must not: the body
     /// ended it itself, or it failed, or its connection is gone. It is
     /// rolled back (which also ends a transaction the body began itself).
@@ -449,10 +462,17 @@ impl Tx {
         }
         if let Some(wire) = self.wire() {
             if !wire.settled(timeout).await {
-                tracing::warn!("a statement of the transaction still runs at COMMIT (its future was dropped?); rolling back");
+                // A `COMMIT` of the body's may run before the server sees
+                // the connection end: that one counts as committed.
+                let committed = wire.unanswered_may_commit();
+                tracing::warn!(committed, "a statement of the transaction still runs at COMMIT (its future was dropped?); rolling back");
                 let cause = self.failure_cause();
                 self.cancel_and_discard();
-                return Some(CommitFailure::RolledBack(cause));
+                return Some(if committed {
+                    CommitFailure::EndedByBody { committed }
+                } else {
+                    CommitFailure::RolledBack(cause)
+                });
             }
         }
         let refusal = match self.ended_by_body() {

@@ -336,9 +336,8 @@ impl<E> Call<E> {
             // the body wrote can have committed: not after it ended the
             // transaction itself, nor swapped its connection (the loop
             // answers those; in external mode the key stays held).
-            Err(err) if attempt.ended_by_body().is_some() || !attempt.holds_its_session() => {
-                Err(err)
-            }
+            Err(err) if !attempt.holds_its_session() => Err(err),
+            Err(err) if attempt.ended_by_body_settled().await.is_some() => Err(err),
             Err(err) => match err.to_final() {
                 Some(stored) => match self.request.response(&stored) {
                     Ok(stored) => {

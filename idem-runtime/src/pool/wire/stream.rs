@@ -15,6 +15,7 @@ use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream}
 use tokio_postgres::Socket;
 
 use super::frame::{fatal, sqlstate, Framer, KEPT};
+use super::says::Says;
 use super::Wire;
 
 /// A connection's stream, read and written through, with what it says
@@ -28,24 +29,15 @@ pub(crate) struct Observed<S> {
     /// written to the socket, and how much of it is.
     owed: Vec<u8>,
     owed_at: usize,
-    /// A statement bound since the last `Sync` names `CHAIN`.
-    chain: bool,
-    /// The prepared statements (by name) whose text names `CHAIN`.
-    chained: Vec<Vec<u8>>,
+    /// What the statements bound since the last `Sync` say.
+    says: Says,
+    /// The prepared statements (by name) whose text says something.
+    named: Vec<(Vec<u8>, Says)>,
 }
 
 /// How much of a `Bind` or a `Close` is read: its names (a portal's and a
 /// statement's, or one of them), which tokio-postgres keeps short.
 const NAMES: usize = 256;
-
-/// Whether a statement's text holds the word `chain`, in any case: what
-/// `ROLLBACK AND CHAIN` (or `ABORT AND CHAIN`) must say, and what a
-/// `ROLLBACK TO SAVEPOINT` of the same tag does not, unless a name in the
-/// same request says it too (then a savepoint's rollback is taken for the
-/// transaction's end: the call fails, nothing commits).
-fn names_chain(text: &[u8]) -> bool {
-    text.windows(5).any(|w| w.eq_ignore_ascii_case(b"chain"))
-}
 
 impl<S> Observed<S> {
     pub(super) fn new(inner: S, wire: Arc<Wire>) -> Self {
@@ -56,8 +48,8 @@ impl<S> Observed<S> {
             frontend: Framer::new(true),
             owed: Vec::new(),
             owed_at: 0,
-            chain: false,
-            chained: Vec::new(),
+            says: Says::default(),
+            named: Vec::new(),
         }
     }
 
@@ -98,12 +90,12 @@ impl<S> Observed<S> {
     /// `bytes` went out (a ride's unit when `rewritten`); their write began
     /// `at`.
     fn written_at(&mut self, bytes: &[u8], at: Instant, rewritten: bool) {
-        // One per request: whether a statement it runs names `CHAIN` (see
-        // `Wire::on_ready`): a `Query`'s text, or the text a `Bind`'s
-        // statement was parsed from (tokio-postgres prepares in a request
-        // of its own, and runs the statement in the next).
+        // One per request: what the statements it runs say (see `Says`):
+        // a `Query`'s text, or the text a `Bind`'s statement was parsed from
+        // (tokio-postgres prepares in a request of its own, and runs the
+        // statement in the next).
         let mut requests = Vec::new();
-        let (chain, chained) = (&mut self.chain, &mut self.chained);
+        let (says, named) = (&mut self.says, &mut self.named);
         self.frontend.feed(
             bytes,
             |kind| match kind {
@@ -114,27 +106,30 @@ impl<S> Observed<S> {
             },
             |kind, body| match kind {
                 b'Q' => {
-                    *chain |= names_chain(body);
-                    requests.push(std::mem::take(chain));
+                    *says |= Says::of(body);
+                    requests.push(std::mem::take(says));
                 }
-                b'S' => requests.push(std::mem::take(chain)),
+                b'S' => requests.push(std::mem::take(says)),
                 b'P' => {
                     let mut fields = body.split(|b| *b == 0);
                     let name = fields.next().unwrap_or_default();
                     let text = fields.next().unwrap_or_default();
-                    chained.retain(|n| n != name);
-                    if names_chain(text) {
-                        chained.push(name.to_vec());
+                    named.retain(|(n, _)| n != name);
+                    let said = Says::of(text);
+                    if said.any() {
+                        named.push((name.to_vec(), said));
                     }
                 }
                 b'B' => {
                     let statement = body.split(|b| *b == 0).nth(1).unwrap_or_default();
-                    *chain |= chained.iter().any(|n| n == statement);
+                    if let Some((_, said)) = named.iter().find(|(n, _)| n == statement) {
+                        *says |= *said;
+                    }
                 }
                 // Close of a statement (`S`): its name may be parsed anew.
                 b'C' if body.first() == Some(&b'S') => {
                     let name = body[1..].split(|b| *b == 0).next().unwrap_or_default();
-                    chained.retain(|n| n != name);
+                    named.retain(|(n, _)| n != name);
                 }
                 _ => {}
             },
