@@ -21,13 +21,13 @@ use idem_testing::proxy::{Fault, Proxy};
 
 /// A test database, and a proxy in front of its pool URL (PgBouncer's
 /// under `IDEM_TEST_VIA=pgbouncer`) with a pool of one through it.
-struct ProxyEnv {
-    env: Env,
-    proxy: Proxy,
-    pool: Pool,
+pub(super) struct ProxyEnv {
+    pub(super) env: Env,
+    pub(super) proxy: Proxy,
+    pub(super) pool: Pool,
 }
 
-async fn proxy_env() -> ProxyEnv {
+pub(super) async fn proxy_env() -> ProxyEnv {
     let env = env(2).await;
     let proxy = Proxy::start(env.db.pool_url()).await.unwrap();
     let pool = build_pool_with(
@@ -43,9 +43,9 @@ async fn proxy_env() -> ProxyEnv {
     ProxyEnv { env, proxy, pool }
 }
 
-/// How a body ends after dropping its manager's `COMMIT`.
+/// How a body ends after dropping a `COMMIT` of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Then {
+pub(super) enum Then {
     Ok,
     Declines,
     LostRace,
@@ -63,7 +63,8 @@ async fn drop_manager_commit(conn: &mut AsyncPgConnection, proxy: &Proxy) {
     assert!(dropped.is_err(), "the held answer outlasts the timeout");
 }
 
-fn end(then: Then) -> Result<i64, AppError> {
+/// What the body returns after the drop.
+pub(super) fn end(then: Then) -> Result<i64, AppError> {
     match then {
         Then::Ok => Ok(1),
         Then::Declines => Err(AppError::Declined(Declined::InsufficientFunds {

@@ -31,6 +31,7 @@ mod attack_savepoint;
 mod attack_seal;
 mod attack_session;
 mod attack_swap;
+mod attack_unanswered;
 mod attack_wire;
 mod closing;
 mod derived_keys;

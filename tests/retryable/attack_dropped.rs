@@ -21,7 +21,7 @@ use idem_testing::proxy::{Fault, Proxy};
 
 /// A proxy in front of the test database's pool URL (PgBouncer's under
 /// `IDEM_TEST_VIA=pgbouncer`), and a pool of one connection through it.
-async fn proxied(env: &Env) -> (Proxy, Pool) {
+pub(super) async fn proxied(env: &Env) -> (Proxy, Pool) {
     let proxy = Proxy::start(env.db.pool_url()).await.unwrap();
     let pool = build_pool_with(
         proxy.url(),
@@ -37,7 +37,7 @@ async fn proxied(env: &Env) -> (Proxy, Pool) {
 }
 
 /// Items `ids` (an SQL list) that committed.
-async fn items_in(env: &Env, ids: &str) -> i64 {
+pub(super) async fn items_in(env: &Env, ids: &str) -> i64 {
     env.scalar_i64(&format!("SELECT count(*) FROM items WHERE id IN ({ids})"))
         .await
 }

@@ -358,6 +358,13 @@ impl Wire {
         self.state().sent.iter().any(|sent| sent.commit)
     }
 
+    /// Whether a request sent is unanswered on a connection still open:
+    /// the server may still be running it.
+    pub(crate) fn running(&self) -> bool {
+        let state = self.state();
+        !state.closed && !state.sent.is_empty()
+    }
+
     /// Every request sent has its answer (or the connection ended).
     fn answered(&self) -> bool {
         let state = self.state();

@@ -355,6 +355,10 @@ impl Tx {
             self.replaced();
             return false;
         }
+        // A statement the body stopped waiting for may still run: the
+        // `ROLLBACK` queues behind it, and its timeout is then no sign of a
+        // lost connection.
+        let behind = self.wire().is_some_and(Wire::running);
         if !self.unmanaged && self.lost_track() {
             // Closed, which rolls back; what the dropped statement left
             // running is cancelled.
@@ -398,9 +402,9 @@ impl Tx {
                 lost
             }
             Err(_elapsed) => {
-                tracing::warn!("ROLLBACK got no answer; discarding the connection");
+                tracing::warn!(behind, "ROLLBACK got no answer; discarding the connection");
                 self.cancel_and_discard();
-                true
+                !behind
             }
         }
     }
@@ -438,7 +442,10 @@ impl Tx {
     /// committed.
     pub(crate) async fn ended_by_body_settled(&self, timeout: Duration) -> Option<bool> {
         let wire = self.wire()?;
-        if !wire.settled(timeout).await && wire.unanswered_may_commit() {
+        wire.settled(timeout).await;
+        // Unanswered still (the wait ran out, or the connection closed
+        // first): see `Tx::refuse`.
+        if wire.unanswered_may_commit() {
             return Some(true);
         }
         self.ended_by_body()
@@ -461,18 +468,20 @@ impl Tx {
             return Some(CommitFailure::Replaced);
         }
         if let Some(wire) = self.wire() {
-            if !wire.settled(timeout).await {
-                // A `COMMIT` of the body's may run before the server sees
-                // the connection end: that one counts as committed.
-                let committed = wire.unanswered_may_commit();
-                tracing::warn!(committed, "a statement of the transaction still runs at COMMIT (its future was dropped?); rolling back");
+            let settled = wire.settled(timeout).await;
+            // Unanswered still (the wait ran out, or the connection closed
+            // first): a `COMMIT` of the body's may have run, or may run
+            // before the server sees the connection end.
+            if wire.unanswered_may_commit() {
+                tracing::warn!("a COMMIT the body sent is unanswered; closing the connection, counted as committed");
+                self.cancel_and_discard();
+                return Some(CommitFailure::EndedByBody { committed: true });
+            }
+            if !settled {
+                tracing::warn!("a statement of the transaction still runs at COMMIT (its future was dropped?); rolling back");
                 let cause = self.failure_cause();
                 self.cancel_and_discard();
-                return Some(if committed {
-                    CommitFailure::EndedByBody { committed }
-                } else {
-                    CommitFailure::RolledBack(cause)
-                });
+                return Some(CommitFailure::RolledBack(cause));
             }
         }
         let refusal = match self.ended_by_body() {
