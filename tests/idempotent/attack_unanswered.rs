@@ -8,9 +8,8 @@
 //!
 //! The `found_` test failed when written: the call answered "nothing
 //! committed", stored the decline, or replayed the body, while its `COMMIT`
-//! committed. Fixed: the scan reads the word `COMMIT` (or `PREPARE`)
-//! anywhere in a request's text, ends a `--` comment at `\r` too, and
-//! splits statements only outside comments.
+//! committed. Fixed: the scan finds statements as PostgreSQL's lexer
+//! finds them (a `--` comment ends at `\r` too).
 
 use super::attack_dropped::{end, proxy_env, Then};
 use super::*;

@@ -31,6 +31,7 @@ mod attack_savepoint;
 mod attack_seal;
 mod attack_session;
 mod attack_swap;
+mod attack_third;
 mod attack_unanswered;
 mod attack_wire;
 mod closing;

@@ -15,12 +15,11 @@
 //! the server received it was replayed (a closed connection reads as "every
 //! request answered", so the unanswered `COMMIT` is never looked at).
 //!
-//! Fixed: the scan reads the word `COMMIT` (or `PREPARE`) anywhere in a
-//! request's text, ends a `--` comment at `\r` too, and splits statements
-//! only outside comments; the requests a closed connection left
-//! unanswered are read too; and a statement still running when the attempt
-//! rolls back is cancelled with its connection instead of a `ROLLBACK`
-//! queued behind it, whose timeout read as a lost connection.
+//! Fixed: the scan finds statements as PostgreSQL's lexer finds them (a
+//! `--` comment ends at `\r` too; a `;` in a comment ends nothing); the
+//! requests a closed connection left unanswered are read too; and a
+//! `ROLLBACK` that times out behind a statement still running is no longer
+//! read as a lost connection.
 
 use super::attack_dropped::{items_in, proxied};
 use super::attack_savepoint::no_session_left_in_a_transaction;
@@ -230,13 +229,16 @@ async fn found_own_commit_with_connection_cut_is_replayed() {
         let r = own_commit_cut(&pool, id, swallow, &proxy, &calls).await;
         let ids = format!("{}, {}, {}, {}", id + 1, id + 2, id + 3, id + 4);
         let committed = items_in(&env, &ids).await;
+        // Behind PgBouncer the cut may come before it passed the `COMMIT`
+        // on: then nothing ran, and "may have been committed" still holds.
+        let pooled = env.db.via().is_transaction_pooling();
         let right = matches!(
             r,
             Err(AppError::Idem(idem::Error::TransactionEnded {
                 committed: true
             }))
         ) && count(&calls) == 1
-            && committed == 1;
+            && (committed == 1 || (pooled && committed == 0));
         if !right {
             wrong.push(format!(
                 "swallow {swallow}: answered {r:?} after {} call(s), {committed} item(s) \

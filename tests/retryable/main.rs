@@ -33,6 +33,7 @@ mod attack_dropped;
 mod attack_savepoint;
 mod attack_seal;
 mod attack_session34;
+mod attack_third;
 mod attack_unanswered;
 mod budget;
 mod closure_form;

@@ -1,8 +1,9 @@
 //! What a statement's text says about the transaction, as far as the wire
-//! must know before its answer: read from a `Query`'s text or a `Parse`'s,
-//! never parsed as SQL. Each reading errs towards "said" (a word in a
-//! literal or a comment reads as said), which makes a call say more was
-//! committed, never less; the one exception is named at [`may_commit`].
+//! must know before its answer: read from a `Query`'s text or a `Parse`'s.
+//! Statements are found as PostgreSQL's lexer finds them (comments,
+//! literals, quoted names), never parsed further; where a reading can err
+//! it errs towards "said", which makes a call say more was committed,
+//! never less.
 
 /// What the statements of a request may do to the transaction.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -44,14 +45,16 @@ fn names_chain(text: &[u8]) -> bool {
     text.windows(5).any(|w| w.eq_ignore_ascii_case(b"chain"))
 }
 
-/// Whether a statement of `text` may commit the transaction: the word
-/// `COMMIT` or `PREPARE` (`PREPARE TRANSACTION`) anywhere, in any case, as
-/// a word of its own (also in a literal, a comment or a quoted name); or a
-/// statement beginning, after blanks and comments, with `END`. `END` ends
-/// every `CASE` too, so only a statement's first word counts; statements
-/// are told apart at every `;` outside a comment, also one inside a
-/// literal. The exception: an `END` statement behind a literal that holds
-/// `--` or `/*` is not recognised (the comment is read as opening there).
+/// Whether a statement of `text` may commit the transaction: one whose
+/// first word, past blanks and comments, is `COMMIT`, `END` or `PREPARE`
+/// (`PREPARE TRANSACTION`; `PREPARE name AS ..` reads as said too).
+/// Statements are told apart at each `;` outside comments, literals and
+/// quoted names, found as PostgreSQL's lexer finds them: `--` to the end of
+/// the line (`\n` or `\r`), nested `/* .. */`, `'..'` (with `''`), `E'..'`
+/// (with backslash escapes), `".."` (with `""`), and `$tag$ .. $tag$`. A plain
+/// literal takes backslash escapes when `standard_conforming_strings` is
+/// off, which a session may set: both readings are made, and either that
+/// finds such a statement counts.
 ///
 /// For a request whose answer idem stops waiting for (a future the body
 /// dropped, still running at `COMMIT`), or that a closed connection left
@@ -59,100 +62,141 @@ fn names_chain(text: &[u8]) -> bool {
 /// transaction back, unless it was a commit, which the server may run
 /// before it sees the connection end.
 fn may_commit(text: &[u8]) -> bool {
-    has_word(text, b"commit") || has_word(text, b"prepare") || {
-        let mut rest = text;
-        loop {
-            let (first, after) = first_word(rest);
-            if first.eq_ignore_ascii_case(b"end") {
-                break true;
-            }
-            match next_statement(after) {
-                Some(next) => rest = next,
-                None => break false,
-            }
-        }
-    }
+    reads_a_commit(text, false) || reads_a_commit(text, true)
 }
 
-/// Whether `word` stands in `text` as a word of its own: no letter, digit,
-/// `_`, `$` or non-ASCII byte (which PostgreSQL reads as part of a name)
-/// right before or after it.
-fn has_word(text: &[u8], word: &[u8]) -> bool {
-    let part = |b: &u8| b.is_ascii_alphanumeric() || *b == b'_' || *b == b'$' || !b.is_ascii();
-    (0..text.len().saturating_sub(word.len() - 1)).any(|at| {
-        text[at..at + word.len()].eq_ignore_ascii_case(word)
-            && (at == 0 || !part(&text[at - 1]))
-            && text.get(at + word.len()).is_none_or(|b| !part(b))
-    })
-}
-
-/// What follows the next `;` outside a comment, if any.
-fn next_statement(mut text: &[u8]) -> Option<&[u8]> {
-    loop {
-        match text {
-            [] => return None,
-            [b';', rest @ ..] => return Some(rest),
-            [b'-', b'-', ..] | [b'/', b'*', ..] => text = past_comment(text),
-            [_, rest @ ..] => text = rest,
-        }
-    }
-}
-
-/// The first word of a statement, past blanks and comments, and what
-/// follows it.
-fn first_word(mut text: &[u8]) -> (&[u8], &[u8]) {
-    loop {
-        text = text.trim_ascii_start();
-        if text.starts_with(b"--") || text.starts_with(b"/*") {
-            text = past_comment(text);
-        } else {
-            let end = text
-                .iter()
-                .position(|b| !(b.is_ascii_alphanumeric() || *b == b'_'))
-                .unwrap_or(text.len());
-            return text.split_at(end);
-        }
-    }
-}
-
-/// What follows the comment `text` begins with: `--` to the end of the
-/// line (a `\n` or a `\r`, as PostgreSQL reads it), `/* .. */` nested as
-/// PostgreSQL nests them (nothing when it is not closed).
-fn past_comment(text: &[u8]) -> &[u8] {
-    match text.strip_prefix(b"--") {
-        Some(rest) => {
-            let end = rest
-                .iter()
-                .position(|b| matches!(b, b'\n' | b'\r'))
-                .unwrap_or(rest.len());
-            &rest[end..]
-        }
-        None => past_block_comment(text),
-    }
-}
-
-/// What follows the block comment `text` begins with (nothing when it is
-/// not closed).
-fn past_block_comment(text: &[u8]) -> &[u8] {
-    let mut depth = 0_usize;
+/// [`may_commit`], one reading: `backslashes`, whether a plain literal
+/// takes backslash escapes.
+fn reads_a_commit(text: &[u8], backslashes: bool) -> bool {
     let mut at = 0;
-    while at + 1 < text.len() {
-        match &text[at..at + 2] {
+    loop {
+        at = past_blanks_and_comments(text, at);
+        let end = text[at..]
+            .iter()
+            .position(|b| !names(*b))
+            .map_or(text.len(), |n| at + n);
+        let word = &text[at..end];
+        if [&b"commit"[..], b"end", b"prepare"]
+            .iter()
+            .any(|w| word.eq_ignore_ascii_case(w))
+        {
+            return true;
+        }
+        match next_semicolon(text, end, backslashes) {
+            Some(semicolon) => at = semicolon + 1,
+            None => return false,
+        }
+    }
+}
+
+/// Whether PostgreSQL reads `b` as part of a name or keyword.
+fn names(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || !b.is_ascii()
+}
+
+/// Where the blanks and comments from `at` end.
+fn past_blanks_and_comments(text: &[u8], mut at: usize) -> usize {
+    loop {
+        while text.get(at).is_some_and(u8::is_ascii_whitespace) {
+            at += 1;
+        }
+        match text.get(at..at + 2) {
+            Some(b"--") | Some(b"/*") => at = past_comment(text, at),
+            _ => return at,
+        }
+    }
+}
+
+/// The next `;` from `at` that ends a statement.
+fn next_semicolon(text: &[u8], mut at: usize, backslashes: bool) -> Option<usize> {
+    while let Some(&b) = text.get(at) {
+        at = match b {
+            b';' => return Some(at),
+            b'-' | b'/' if matches!(text.get(at..at + 2), Some(b"--") | Some(b"/*")) => {
+                past_comment(text, at)
+            }
+            b'\'' => {
+                let escaped = at > 0
+                    && text[at - 1].eq_ignore_ascii_case(&b'e')
+                    && (at < 2 || !names(text[at - 2]));
+                past_quoted(text, at, backslashes || escaped)
+            }
+            b'"' => past_quoted(text, at, false),
+            // A dollar quote opens where a name does not go on.
+            b'$' if at == 0 || !names(text[at - 1]) => past_dollar_quoted(text, at),
+            _ => at + 1,
+        };
+    }
+    None
+}
+
+/// Where the comment at `at` ends: `--` at the end of the line (a `\n` or
+/// a `\r`, as PostgreSQL reads it), `/* .. */` nested as PostgreSQL nests
+/// them (the end of the text when it is not closed).
+fn past_comment(text: &[u8], at: usize) -> usize {
+    if text[at] == b'-' {
+        return text[at..]
+            .iter()
+            .position(|b| matches!(b, b'\n' | b'\r'))
+            .map_or(text.len(), |n| at + n);
+    }
+    let mut depth = 0_usize;
+    let mut i = at;
+    while i + 1 < text.len() {
+        match &text[i..i + 2] {
             b"/*" => {
                 depth += 1;
-                at += 2;
+                i += 2;
             }
             b"*/" => {
                 depth -= 1;
-                at += 2;
+                i += 2;
                 if depth == 0 {
-                    return &text[at..];
+                    return i;
                 }
             }
-            _ => at += 1,
+            _ => i += 1,
         }
     }
-    &[]
+    text.len()
+}
+
+/// Where the literal or quoted name opened by the quote at `at` ends (a
+/// doubled quote stays inside; with `backslashes`, so does `\` and what it
+/// escapes).
+fn past_quoted(text: &[u8], at: usize, backslashes: bool) -> usize {
+    let quote = text[at];
+    let mut i = at + 1;
+    while let Some(&b) = text.get(i) {
+        let escape = backslashes && b == b'\\';
+        if escape || (b == quote && text.get(i + 1) == Some(&quote)) {
+            i += 2;
+        } else if b == quote {
+            return i + 1;
+        } else {
+            i += 1;
+        }
+    }
+    text.len()
+}
+
+/// Where the dollar-quoted literal at `at` ends, if a tag (`$$`, `$tag$`)
+/// opens one there; else just past the `$` (a parameter, `$1`).
+fn past_dollar_quoted(text: &[u8], at: usize) -> usize {
+    let tag_len = text[at + 1..]
+        .iter()
+        .position(|b| !(names(*b) && *b != b'$'))
+        .map_or(text.len() - at - 1, |n| n);
+    let starts_with_digit = text.get(at + 1).is_some_and(u8::is_ascii_digit);
+    if starts_with_digit || text.get(at + 1 + tag_len) != Some(&b'$') {
+        return at + 1;
+    }
+    let tag = &text[at..at + tag_len + 2];
+    let body = at + tag.len();
+    text[body..]
+        .windows(tag.len())
+        .position(|w| w == tag)
+        .map_or(text.len(), |n| body + n + tag.len())
 }
 
 #[cfg(test)]
@@ -174,19 +218,25 @@ mod tests {
             "/* a /* nested */ comment */ COMMIT",
             "/**/commit",
             "\tEnd Work",
-            // Found by a hostile pass: PostgreSQL ends `--` at `\r` too, and
-            // a `;` in a comment does not end a statement.
+            "SELECT CASE WHEN true THEN 1 END; END",
+            // Found by hostile passes: PostgreSQL ends `--` at `\r` too; a
+            // `;` in a comment ends nothing; a `--` or `/*` in a literal or
+            // a quoted name opens no comment.
             "-- x\rCOMMIT",
             "-- x\rEND",
             "/* x ; */COMMIT",
             "/* x ; */END",
             "SELECT 1 /* ; */; END",
-            // Read as said, erring towards "committed".
-            "-- COMMIT\nSELECT 1",
-            "/* COMMIT */ SELECT 1",
-            "/* unclosed COMMIT",
-            "SELECT ';commit'",
-            "SELECT 'x'; end",
+            "SELECT 'x --'; END",
+            "SELECT '/static/*' AS b; END",
+            "SELECT $$x --$$; END",
+            "SELECT $tag$ ; -- $tag$; END",
+            "SELECT 1 AS \"x /*\"; END",
+            "SELECT 'it''s -- fine'; COMMIT",
+            "SELECT E'x\\' --'; COMMIT",
+            // With `standard_conforming_strings` on, 'x\' ends at its quote.
+            "SELECT 'x\\'; COMMIT; --'",
+            "SELECT $1; COMMIT",
         ] {
             assert!(Says::of(text.as_bytes()).commit, "{text:?}");
         }
@@ -200,14 +250,24 @@ mod tests {
             "SELECT CASE WHEN true THEN 1 END; SELECT 2",
             "INSERT INTO commits VALUES (1)",
             "SELECT committed, commit_sha, precommit FROM t",
+            "SELECT pg_sleep(30), 'pre-commit check'",
+            "SELECT pg_sleep(30) AS prepare",
+            "INSERT INTO t VALUES (1) /* commit */",
+            "-- COMMIT\nSELECT 1",
+            "/* COMMIT */ SELECT 1",
+            "SELECT 'a; COMMIT'",
+            "SELECT $$; END$$",
+            "SELECT $q$; END $q$",
+            "SELECT \"x; commit\"",
+            "SELECT E'a\\'; COMMIT'",
             "ROLLBACK",
             "ROLLBACK TO SAVEPOINT a",
             "RELEASE SAVEPOINT a",
             "SAVEPOINT commit_point",
-            "SELECT pg_sleep(3)",
             "SELECT 1 -- ; END",
             "SELECT 1 /* ; END */",
             "SELECT ending FROM t; SELECT endless",
+            "SELECT a$b$c FROM t; SELECT 2",
             "",
         ] {
             assert!(!Says::of(text.as_bytes()).commit, "{text:?}");
