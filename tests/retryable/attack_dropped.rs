@@ -384,7 +384,6 @@ async fn dropped_savepoint_at_depth_two_commits_nothing_and_pool_recovers() {
             Ok(r) => format!("{r:?}"),
             Err(join) => format!("panicked: {}", join.is_panic()),
         };
-        eprintln!("depth two, {fault:?}: {answer}; {committed} committed");
         assert!(
             !matches!(outcome, Ok(Ok(()))) || committed == 3,
             "{fault:?}: Ok with {committed} of 3 items"
