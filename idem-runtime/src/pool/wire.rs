@@ -361,8 +361,7 @@ impl Wire {
     /// Whether a request sent is unanswered on a connection still open:
     /// the server may still be running it.
     pub(crate) fn running(&self) -> bool {
-        let state = self.state();
-        !state.closed && !state.sent.is_empty()
+        !self.answered()
     }
 
     /// Every request sent has its answer (or the connection ended).
