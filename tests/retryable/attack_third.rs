@@ -161,7 +161,10 @@ async fn found_hidden_end_with_connection_cut_is_replayed_twice_written() {
         let r = cut_end(&pool, id, end, pattern, &proxy, &calls).await;
         let ids = format!("{}, {}, {}, {}", id + 1, id + 2, id + 3, id + 4);
         let committed = items_in(&env, &ids).await;
-        if !(ended_committed(&r) && count(&calls) == 1 && committed == 1) {
+        // Behind PgBouncer a cut `END` may never reach the server: "may have".
+        let pooled = env.db.via().is_transaction_pooling();
+        let ran = committed == 1 || (pooled && committed == 0);
+        if !(ended_committed(&r) && count(&calls) == 1 && ran) {
             wrong.push(format!(
                 "{end:?}: answered {r:?} after {} call(s), {committed} item(s) committed",
                 count(&calls)
