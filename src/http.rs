@@ -29,7 +29,7 @@
 //! | `Idempotency-Key` malformed or invalid | 400 | [`problem_type::IDEMPOTENCY_KEY_INVALID`] |
 //! | [`Error::FingerprintMismatch`] | 422 | [`problem_type::FINGERPRINT_MISMATCH`] |
 //! | [`Error::InProgress`] | 409, `Retry-After: 1` | [`problem_type::IN_PROGRESS`] |
-//! | [`Error::OutcomeUnknown`] (external mode) | 502 | [`problem_type::OUTCOME_UNKNOWN`] |
+//! | [`Error::OutcomeUnknown`] (external mode; local mode after a body's own `COMMIT`) | 502 | [`problem_type::OUTCOME_UNKNOWN`] |
 //! | [`Error::ClaimLost`] (external mode) | 409 | [`problem_type::IN_PROGRESS`] |
 //! | [`Error::Exhausted`] (lost races) | 409 | [`problem_type::RETRIES_EXHAUSTED`] |
 //! | [`Error::Exhausted`] (the deadline passed: [`RetryCause::is_timeout`](crate::RetryCause::is_timeout)) | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |

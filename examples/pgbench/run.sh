@@ -14,7 +14,7 @@
 # pgbench (pinning both to one core takes the difference away), so its bare
 # call is slower and its ratios lower than bench_idempotent's (a connection
 # per contender). To compare the two in one placement, pin
-# the server and the client to one core (docs/performance.md, "Where c = 1 stands").
+# the server and the client to one core (docs/c1.md).
 #
 # URL: a server to create a scratch database on (default
 # postgres://postgres@127.0.0.1:5432/postgres). The database gets idem's

@@ -66,7 +66,9 @@ pub enum Error {
     /// it wrote before its own `COMMIT`, or a statement sent in the same
     /// request as its end, after it, outside any transaction (which commits
     /// on its own). Nothing the body sends in a later request goes out: the
-    /// connection refuses it, and is closed. A bug in the body (500).
+    /// connection refuses it, and is closed. A bug in the body (500). Under
+    /// a local `#[idempotent]` call with `committed` true, the key is then
+    /// held as outcome unknown: its record rode on idem's `COMMIT`.
     #[error("the body ended idem's transaction itself (a COMMIT, ROLLBACK, BEGIN or PREPARE TRANSACTION of its own, or a statement that ended it): {}; not replayed", if *committed { "some of what it wrote was committed" } else { "nothing was committed" })]
     TransactionEnded {
         /// Some of what the body wrote was committed (or prepared): before
@@ -146,7 +148,8 @@ pub enum Error {
     #[error("a request with this idempotency key is still in progress")]
     InProgress,
     /// The first request may have reached an outside system and its outcome is
-    /// not known here; it is not retried (until [`settle`](crate::idempotency::settle)d).
+    /// not known here (or, in local mode, its body committed by hand, without
+    /// its record); it is not retried (until [`settle`](crate::idempotency::settle)d).
     #[error("{}", OUTCOME_UNKNOWN_MESSAGE)]
     OutcomeUnknown,
     /// A fingerprint field, the scope or the response could not be serialized;

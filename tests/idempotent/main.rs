@@ -38,6 +38,7 @@ mod closing;
 mod derived_keys;
 mod dropped_savepoint;
 mod external;
+mod hand_commit;
 mod held_commit;
 mod hostile;
 mod literals;

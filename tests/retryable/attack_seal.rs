@@ -6,20 +6,6 @@ use super::attack_savepoint::no_session_left_in_a_transaction;
 use super::*;
 use futures_util::future::{join, join_all};
 
-/// Items `base..base + 10` committed, in order.
-pub(super) async fn items_from(env: &Env, base: i64) -> Vec<i64> {
-    env.client
-        .query(
-            "SELECT id FROM items WHERE id >= $1 AND id < $1 + 10 ORDER BY id",
-            &[&base],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
-}
-
 /// Correct SQL sent by hand, request by request (`{5}`: base + 5, an item
 /// a savepoint undoes; a leading `!`: the request fails, as meant).
 const BY_HAND: [&[&str]; 5] = [

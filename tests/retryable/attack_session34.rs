@@ -4,7 +4,7 @@
 //! database. Tests named `found_..` reproduced a defect this pass found,
 //! fixed since.
 use super::attack_savepoint::no_session_left_in_a_transaction;
-use super::attack_seal::{items_from, lock_free_within, pool_serves};
+use super::attack_seal::{lock_free_within, pool_serves};
 use super::*;
 use diesel_async::{AnsiTransactionManager, TransactionManager};
 use futures_util::future::{join, join3};

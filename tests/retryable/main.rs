@@ -144,6 +144,20 @@ async fn side_connection(url: &str) -> tokio_postgres::Client {
     idem_testing::connect(url).await.expect("connect")
 }
 
+/// Items `base..base + 10` committed, in order.
+async fn items_from(env: &Env, base: i64) -> Vec<i64> {
+    env.client
+        .query(
+            "SELECT id FROM items WHERE id >= $1 AND id < $1 + 10 ORDER BY id",
+            &[&base],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 impl Env {
     /// How many other sessions still run a statement whose text holds
     /// `tag`, once none does or 2 s have passed.

@@ -208,7 +208,7 @@ pub(crate) fn idempotent(
                 break #outcome;
             }
         };
-        #call.end(#pool, #retry_loop.policy().commit_timeout, #outcome).await
+        #call.end(#pool, &#retry_loop, #outcome).await
     };
 
     // The #[retryable] attribute was consumed here, so its import would look

@@ -10,7 +10,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::store::{Claim, ClaimOrRead, Identity, Outcome, Read, State};
+use super::store::{Claim, ClaimOrRead, HoldUnknown, Identity, Outcome, Read, State};
 use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode, MAX_STORED_DEPTH,
 };
@@ -135,6 +135,14 @@ impl Request {
             key: &self.key,
             operation: &self.operation,
             fingerprint: &self.fingerprint,
+        }
+    }
+
+    /// The statement that holds this local request's key as outcome unknown.
+    pub(crate) fn hold_unknown(&self) -> HoldUnknown<'_> {
+        HoldUnknown {
+            identity: self.identity(),
+            ttl_micros: micros(self.config.ttl),
         }
     }
 

@@ -115,6 +115,19 @@ impl<'a> Identity<'a> {
     }
 }
 
+/// The conflict clause of an insert that takes over a completed record
+/// whose retention ended, with the inserted row's values (state included),
+/// and leaves any live record alone.
+macro_rules! take_over_expired {
+    () => {
+        " ON CONFLICT (scope, key) DO UPDATE SET scope_label = excluded.scope_label, \
+         operation = excluded.operation, fingerprint = excluded.fingerprint, mode = excluded.mode, \
+         state = excluded.state, owner = excluded.owner, outcome = NULL, response = NULL, \
+         created_at = now(), updated_at = now(), expires_at = excluded.expires_at, \
+         lease_until = excluded.lease_until WHERE r.state = 'completed' AND r.expires_at <= now()"
+    };
+}
+
 /// Insert the claim, or take over a completed record whose retention ended;
 /// returns a row only when this request now owns the key.
 ///
@@ -153,13 +166,7 @@ impl Claim<'_> {
             " * interval '1 microsecond' WHERE NOT EXISTS (SELECT FROM seen l WHERE \
              (l.state <> 'completed' OR NOT l.expired))",
         );
-        out.push_sql(
-            " ON CONFLICT (scope, key) DO UPDATE SET scope_label = excluded.scope_label, operation = excluded.operation, \
-             fingerprint = excluded.fingerprint, mode = excluded.mode, state = 'in_progress', \
-             owner = excluded.owner, outcome = NULL, response = NULL, created_at = now(), updated_at = now(), \
-             expires_at = excluded.expires_at, lease_until = excluded.lease_until \
-             WHERE r.state = 'completed' AND r.expires_at <= now() RETURNING true",
-        );
+        out.push_sql(concat!(take_over_expired!(), " RETURNING true"));
         Ok(())
     }
 }
@@ -433,7 +440,7 @@ macro_rules! cacheable_by_sql {
         }
     )*};
 }
-cacheable_by_sql!(ClaimOrRead, Record, Read);
+cacheable_by_sql!(ClaimOrRead, Record, Read, HoldUnknown);
 
 /// Release a claim that is not completed (its request never left, or an
 /// operator found the target did nothing): the key is new again. `$3`: the
@@ -445,6 +452,34 @@ pub(crate) const RELEASE: &str = "DELETE FROM idem_requests WHERE scope = $1 AND
 /// have reached the target.
 pub(crate) const MARK_UNKNOWN: &str = "UPDATE idem_requests SET state = 'unknown', \
      updated_at = now() WHERE scope = $1 AND key = $2 AND state = 'in_progress' AND owner = $3";
+
+/// Local mode: hold a key whose body ended the transaction itself and
+/// committed (or may have) what it wrote: its record rides on idem's own
+/// `COMMIT`, which never ran, so without this a repeat of the key would run
+/// the body again. The key is held as outcome unknown, as an external
+/// claim is after an outside call may have run, until an operator settles
+/// it. A live record of the key (a duplicate that ran once the body's
+/// `COMMIT` released the advisory lock) is left as it is; an expired
+/// completed one is taken over.
+#[derive(Clone, Copy)]
+pub(crate) struct HoldUnknown<'a> {
+    pub(crate) identity: Identity<'a>,
+    pub(crate) ttl_micros: i64,
+}
+
+impl QueryFragment<Pg> for HoldUnknown<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("INSERT INTO idem_requests AS r (");
+        out.push_sql(Identity::COLUMNS);
+        out.push_sql(", mode, state, owner, expires_at, lease_until) VALUES (");
+        self.identity.push_values(&mut out)?;
+        out.push_sql(", 'local', 'unknown', NULL, now() + ");
+        out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
+        out.push_sql(" * interval '1 microsecond', NULL)");
+        out.push_sql(take_over_expired!());
+        Ok(())
+    }
+}
 
 /// An operator's decision that the target did it: store the response.
 pub(crate) const SETTLE_COMPLETED: &str = "UPDATE idem_requests SET state = 'completed', \

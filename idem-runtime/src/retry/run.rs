@@ -129,6 +129,10 @@ pub struct RetryLoop<'p> {
     /// The last `Step::CommitAndContinue` got no answer to its `COMMIT`:
     /// the next attempt is told ([`Attempt::follows_unknown_commit`]).
     unknown_commit: bool,
+    /// The call ended with the body's own end of the transaction, which
+    /// committed what it had written (or may have): see
+    /// [`RetryLoop::body_committed`].
+    body_committed: bool,
     span: tracing::Span,
 }
 
@@ -158,6 +162,7 @@ impl<'p> RetryLoop<'p> {
             conflict: ConflictSlot::default(),
             immediate_repeats: 0,
             unknown_commit: false,
+            body_committed: false,
             span,
         }
     }
@@ -170,6 +175,14 @@ impl<'p> RetryLoop<'p> {
     /// The policy this loop runs under.
     pub fn policy(&self) -> &RetryPolicy {
         &self.policy
+    }
+
+    /// Whether the call was answered `TransactionEnded { committed: true }`:
+    /// the body ended the transaction itself, and what it had written was
+    /// (or may have been) committed without anything of idem's that rides
+    /// on idem's own `COMMIT` (a local idempotent call's record).
+    pub fn body_committed(&self) -> bool {
+        self.body_committed
     }
 
     /// Start the next attempt as `begin` says: at once ([`RetryLoop::begin`])
@@ -352,10 +365,7 @@ impl<'p> RetryLoop<'p> {
                 // hand must not be written again, nor a decline stored.
                 if let Some(committed) = attempt.ended_by_body_settled().await {
                     attempt.roll_back().instrument(self.span.clone()).await;
-                    return self.done(
-                        Err(E::from(Error::TransactionEnded { committed })),
-                        "ended_by_body",
-                    );
+                    return self.ended_by_body(committed);
                 }
                 attempt.roll_back().await;
                 // Not a failure: the attempt is not charged to the budget. A
@@ -410,10 +420,7 @@ impl<'p> RetryLoop<'p> {
                 if let Some(committed) = attempt.ended_by_body_settled().await {
                     // What the body committed by hand must not be written again.
                     attempt.roll_back().instrument(self.span.clone()).await;
-                    return self.done(
-                        Err(E::from(Error::TransactionEnded { committed })),
-                        "ended_by_body",
-                    );
+                    return self.ended_by_body(committed);
                 }
                 let observed = attempt.failure_cause().or_else(|| self.conflict.take());
                 let lost = attempt.roll_back().instrument(self.span.clone()).await;
@@ -434,7 +441,7 @@ impl<'p> RetryLoop<'p> {
     /// The end of a commit: the answer, or the cause to replay for.
     #[allow(clippy::type_complexity)]
     fn committed<T, E: FromIdemError>(
-        &self,
+        &mut self,
         committed: Result<T, CommitFailure>,
     ) -> ControlFlow<ControlFlow<Result<T, E>>, RetryCause> {
         match committed {
@@ -455,7 +462,7 @@ impl<'p> RetryLoop<'p> {
     }
 
     fn commit_failed<T, E: FromIdemError>(
-        &self,
+        &mut self,
         failure: CommitFailure,
     ) -> ControlFlow<Result<T, E>> {
         let (err, label) = match failure {
@@ -467,14 +474,21 @@ impl<'p> RetryLoop<'p> {
                 "commit_unknown",
             ),
             CommitFailure::RolledBack(_) => (Error::RolledBack, "rolled_back"),
-            CommitFailure::EndedByBody { committed } => {
-                (Error::TransactionEnded { committed }, "ended_by_body")
-            }
+            CommitFailure::EndedByBody { committed } => return self.ended_by_body(committed),
             CommitFailure::Failed(err) => (Error::Commit(err), "commit_failed"),
             CommitFailure::SavepointOpen => (Error::SavepointOpen, "savepoint_open"),
             CommitFailure::Replaced => (Error::ConnectionReplaced, "connection_replaced"),
         };
         self.done(Err(E::from(err)), label)
+    }
+
+    /// The answer to a body that ended the transaction itself.
+    fn ended_by_body<T, E: FromIdemError>(&mut self, committed: bool) -> ControlFlow<Result<T, E>> {
+        self.body_committed = committed;
+        self.done(
+            Err(E::from(Error::TransactionEnded { committed })),
+            "ended_by_body",
+        )
     }
 
     fn done<T, E>(&self, outcome: Result<T, E>, label: &'static str) -> ControlFlow<Result<T, E>> {

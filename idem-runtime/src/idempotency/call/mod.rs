@@ -33,7 +33,7 @@ use super::store::{self, Outcome, Record};
 use super::{Idempotent, IdempotentError};
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::retry::{retry, Attempt, Begin, RetryPolicy, Step};
+use crate::retry::{retry, Attempt, Begin, RetryLoop, RetryPolicy, Step};
 use crate::tx::{Closing, CommitFailure};
 
 #[cfg(feature = "redis")]
@@ -442,12 +442,13 @@ impl<E> Call<E> {
     pub async fn end<V>(
         #[cfg_attr(not(feature = "redis"), allow(unused_mut))] mut self,
         pool: &Pool,
-        timeout: Duration,
+        retry_loop: &RetryLoop<'_>,
         outcome: Result<Reply<V, E::Final>, E>,
     ) -> Result<Idempotent<V>, E>
     where
         E: IdempotentError,
     {
+        let timeout = retry_loop.policy().commit_timeout;
         #[cfg(feature = "redis")]
         if outcome.is_ok() {
             self.fill_cache(pool).await;
@@ -494,37 +495,54 @@ impl<E> Call<E> {
             } else {
                 store::MARK_UNKNOWN
             };
-            if let Err(e) = settle_claim(pool, timeout, &request, statement).await {
+            let settle = diesel::sql_query(statement)
+                .bind::<Text, _>(request.scope())
+                .bind::<Text, _>(request.key())
+                .bind::<Nullable<Binary>, _>(request.owner());
+            if let Err(e) = bounded(pool, timeout, "idem.settle_claim", settle).await {
                 tracing::error!(key = %request.key(), error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown");
+            }
+        } else if !request.external() && retry_loop.body_committed() {
+            // Local: the body committed by hand, without the record that
+            // rides on idem's COMMIT. A repeat must not run it again.
+            match bounded(pool, timeout, "idem.hold_unknown", request.hold_unknown()).await {
+                Ok(1) => {
+                    tracing::warn!(key = %request.key(), "the body committed by hand: its key is held as outcome unknown")
+                }
+                Ok(_) => {
+                    tracing::error!(key = %request.key(), "the body committed by hand, and another request of its key ran in the meantime")
+                }
+                Err(e) => {
+                    tracing::error!(key = %request.key(), error = %e, "the body committed by hand, and its key could not be held as outcome unknown: a repeat will run it again")
+                }
             }
         }
         Err(err)
     }
 }
 
-/// Run one statement on this call's claim, through the retry loop, within
+/// Run one statement of this call's settling (its external claim, or its
+/// local key held as outcome unknown) through the retry loop, within
 /// `timeout`: its row lock waits and statements are bounded by the loop's
 /// deadline, its `COMMIT` by the same `timeout` (the row may still be locked
-/// by an attempt whose COMMIT went unanswered).
-async fn settle_claim(
+/// by an attempt whose COMMIT went unanswered). How many rows it wrote.
+async fn bounded<Q>(
     pool: &Pool,
     timeout: Duration,
-    request: &Request,
-    statement: &'static str,
-) -> Result<(), Error> {
+    name: &'static str,
+    statement: Q,
+) -> Result<usize, Error>
+where
+    Q: diesel::query_builder::QueryFragment<diesel::pg::Pg>
+        + diesel::query_builder::QueryId
+        + Clone
+        + Send
+        + Sync,
+{
     let policy = RetryPolicy::new().deadline(timeout).commit_timeout(timeout);
-    retry(pool, policy, "idem.settle_claim", |conn| {
-        async move {
-            diesel::sql_query(statement)
-                .bind::<Text, _>(request.scope())
-                .bind::<Text, _>(request.key())
-                .bind::<Nullable<Binary>, _>(request.owner())
-                .execute(conn)
-                .await
-                .map(drop)
-                .map_err(Error::Database)
-        }
-        .scope_boxed()
+    retry(pool, policy, name, |conn| {
+        let statement = statement.clone();
+        async move { statement.execute(conn).await.map_err(Error::Database) }.scope_boxed()
     })
     .await
 }
