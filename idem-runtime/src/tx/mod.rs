@@ -44,11 +44,13 @@ use crate::pool::{Marks, PooledConnection, Refusal, Replication, Row, Wire};
 
 mod begin;
 mod close;
+mod ended;
 mod pipeline;
 mod prepared;
 pub use begin::Isolation;
 pub(crate) use begin::Timeouts;
 use begin::SYNCHRONOUS;
+use ended::Settled;
 pub(crate) use pipeline::{Closing, Last, Opening, Render};
 pub(crate) use prepared::{Prepared, Session};
 
@@ -423,43 +425,13 @@ impl Tx {
         }
     }
 
-    /// Why a statement of this transaction failed, as the server said, when
-    /// no savepoint undid it and the failure is worth replaying the
-    /// transaction for; or the connection was lost.
-    ///
-    /// Whether the body ended (or began) a transaction itself since `BEGIN`
-    /// (a `COMMIT`, `ROLLBACK`, `BEGIN` or `PREPARE TRANSACTION` of its own,
-    /// or a statement whose failure ended the transaction): `Some(true)` when
-    /// it committed (or prepared) what it had written by then.
-    pub(crate) fn ended_by_body(&self) -> Option<bool> {
-        self.wire()?.marks().since(self.begun)
-    }
-
-    /// [`Tx::ended_by_body`] once what the body sent is answered, waiting
-    /// up to `timeout`: the answer to an end the body stopped waiting for
-    /// (a `COMMIT` future it dropped before returning an error) may still
-    /// be on its way. A request unanswered then that may commit counts as
-    /// committed.
-    pub(crate) async fn ended_by_body_settled(&self, timeout: Duration) -> Option<bool> {
-        let wire = self.wire()?;
-        wire.settled(timeout).await;
-        // Unanswered still (the wait ran out, or the connection closed
-        // first): see `Tx::refuse`.
-        if wire.unanswered_may_commit() {
-            return Some(true);
-        }
-        self.ended_by_body()
-    }
-
     /// Why this transaction must not be committed, if it must not: the body
     /// ended it itself, or it failed, or its connection is gone. It is
     /// rolled back (which also ends a transaction the body began itself).
     ///
-    /// It first waits (up to `timeout`) for the body's statements still
-    /// owed an answer: a statement's error arrives before the status that
-    /// says what it did to the transaction, and a statement whose future
-    /// the body dropped may still run. One still running then is cancelled
-    /// with its transaction: nothing is committed, for certain.
+    /// It first settles the body's requests ([`Tx::settle`]). One unanswered
+    /// then that may commit counts as committed; any other still running
+    /// is cancelled with its transaction: nothing is committed, for certain.
     pub(crate) async fn refuse(&mut self, timeout: Duration) -> Option<CommitFailure> {
         // Checked first: every other check reads the wire, which watches
         // the session idem began on, not the one swapped in.
@@ -467,22 +439,19 @@ impl Tx {
             self.replaced();
             return Some(CommitFailure::Replaced);
         }
-        if let Some(wire) = self.wire() {
-            let settled = wire.settled(timeout).await;
-            // Unanswered still (the wait ran out, or the connection closed
-            // first): a `COMMIT` of the body's may have run, or may run
-            // before the server sees the connection end.
-            if wire.unanswered_may_commit() {
+        match self.settle(timeout).await {
+            Some(Settled::MayHaveCommitted) => {
                 tracing::warn!("a COMMIT the body sent is unanswered; closing the connection, counted as committed");
                 self.cancel_and_discard();
                 return Some(CommitFailure::EndedByBody { committed: true });
             }
-            if !settled {
+            Some(Settled::Running) => {
                 tracing::warn!("a statement of the transaction still runs at COMMIT (its future was dropped?); rolling back");
                 let cause = self.failure_cause();
                 self.cancel_and_discard();
                 return Some(CommitFailure::RolledBack(cause));
             }
+            Some(Settled::Answered) | None => {}
         }
         let refusal = match self.ended_by_body() {
             Some(committed) => CommitFailure::EndedByBody { committed },
