@@ -166,16 +166,28 @@ async fn transfer_both_once(
 async fn deadlock_is_replayed_and_both_transactions_commit() {
     let env = env(4).await;
     let barrier = Barrier::new(2);
+    // Why each attempt was replayed, as the loop logs it, for the message
+    // below: a victim once took three attempts through PgBouncer in CI.
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("idem_runtime=info")
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let replays = tracing::subscriber::set_default(subscriber);
     let (a, b) = tokio::join!(
         transfer_both(&env.pool, 1, 2, &barrier),
         transfer_both(&env.pool, 2, 1, &barrier)
     );
+    drop(replays);
     let mut attempts = vec![a.unwrap(), b.unwrap()];
     attempts.sort();
     assert_eq!(
         attempts,
         vec![1, 2],
-        "the deadlock victim was replayed once"
+        "the deadlock victim was replayed once; the loop said:\n{}",
+        log.text()
     );
     assert_eq!(
         env.scalar_i64("SELECT sum(balance)::bigint FROM accounts")
@@ -253,5 +265,25 @@ async fn a_raw_deadlock_error_classifies_as_deadlock() {
     );
     for conn in [&mut a, &mut b] {
         conn.batch_execute("ROLLBACK").await.unwrap();
+    }
+}
+
+/// A `Write` into a shared buffer: a test's own log.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().expect("the log")).into_owned()
+    }
+}
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("the log").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
