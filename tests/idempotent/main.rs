@@ -27,6 +27,7 @@ mod attack;
 mod attack_body;
 mod attack_dropped;
 mod attack_ext;
+mod attack_hold;
 mod attack_savepoint;
 mod attack_seal;
 mod attack_session;

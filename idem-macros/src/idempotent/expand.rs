@@ -189,7 +189,7 @@ pub(crate) fn idempotent(
         }
     });
     let flow = quote! {
-        let mut #call = ::idem::__private::Call::<#err_ty>::new(#request);
+        let mut #call = ::idem::__private::Call::<#err_ty>::new(#request, #pool);
         #cached
         let mut #retry_loop = ::idem::__private::RetryLoop::new(#pool, #policy, #name);
         let #outcome = loop {
@@ -208,7 +208,7 @@ pub(crate) fn idempotent(
                 break #outcome;
             }
         };
-        #call.end(#pool, &#retry_loop, #outcome).await
+        #call.end(#pool, &mut #retry_loop, #outcome).await
     };
 
     // The #[retryable] attribute was consumed here, so its import would look

@@ -251,6 +251,22 @@ impl Attempt {
         }
     }
 
+    /// See [`Tx::watch_end`]; with the attempt's commit timeout.
+    pub(crate) fn watch_end(&self) -> Option<(crate::tx::EndWatch, Duration)> {
+        Some((self.tx.as_ref()?.watch_end()?, self.commit_timeout))
+    }
+
+    /// See [`Tx::run_alone`].
+    pub(crate) async fn run_alone<Q>(&mut self, statement: Q) -> Option<Result<usize, String>>
+    where
+        Q: diesel::query_builder::QueryFragment<diesel::pg::Pg>
+            + diesel::query_builder::QueryId
+            + Send,
+    {
+        let timeout = self.commit_timeout;
+        self.tx.as_mut()?.run_alone(timeout, statement).await
+    }
+
     pub(crate) fn end_in_background(self) {
         if let Some(tx) = self.tx {
             tx.end_in_background(self.commit_timeout);

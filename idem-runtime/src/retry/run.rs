@@ -133,6 +133,9 @@ pub struct RetryLoop<'p> {
     /// committed what it had written (or may have): see
     /// [`RetryLoop::body_committed`].
     body_committed: bool,
+    /// The attempt whose body committed by hand, rolled back, its
+    /// connection kept until [`RetryLoop::take_ended`] (or the loop's end).
+    ended: Option<Attempt>,
     span: tracing::Span,
 }
 
@@ -163,6 +166,7 @@ impl<'p> RetryLoop<'p> {
             immediate_repeats: 0,
             unknown_commit: false,
             body_committed: false,
+            ended: None,
             span,
         }
     }
@@ -183,6 +187,14 @@ impl<'p> RetryLoop<'p> {
     /// on idem's own `COMMIT` (a local idempotent call's record).
     pub fn body_committed(&self) -> bool {
         self.body_committed
+    }
+
+    /// The attempt whose body committed by hand ([`Self::body_committed`]),
+    /// rolled back, with its connection if it kept one: a write that must
+    /// precede the callers waiting on the pool goes there (see
+    /// [`Attempt::run_alone`]).
+    pub(crate) fn take_ended(&mut self) -> Option<Attempt> {
+        self.ended.take()
     }
 
     /// Start the next attempt as `begin` says: at once ([`RetryLoop::begin`])
@@ -365,7 +377,7 @@ impl<'p> RetryLoop<'p> {
                 // hand must not be written again, nor a decline stored.
                 if let Some(committed) = attempt.ended_by_body_settled().await {
                     attempt.roll_back().instrument(self.span.clone()).await;
-                    return self.ended_by_body(committed);
+                    return self.ended_by_body(committed, attempt);
                 }
                 attempt.roll_back().await;
                 // Not a failure: the attempt is not charged to the budget. A
@@ -405,12 +417,12 @@ impl<'p> RetryLoop<'p> {
             Ok(Step::Commit(value)) => {
                 let committed = attempt.commit().instrument(self.span.clone()).await;
                 match self.committed(committed.map(|()| value)) {
-                    ControlFlow::Break(outcome) => return outcome,
+                    ControlFlow::Break(outcome) => return self.keep_ended(attempt, outcome),
                     ControlFlow::Continue(cause) => cause,
                 }
             }
             Ok(Step::Committed(committed)) => match self.committed(committed) {
-                ControlFlow::Break(outcome) => return outcome,
+                ControlFlow::Break(outcome) => return self.keep_ended(attempt, outcome),
                 ControlFlow::Continue(cause) => cause,
             },
             Err(err) => {
@@ -420,7 +432,7 @@ impl<'p> RetryLoop<'p> {
                 if let Some(committed) = attempt.ended_by_body_settled().await {
                     // What the body committed by hand must not be written again.
                     attempt.roll_back().instrument(self.span.clone()).await;
-                    return self.ended_by_body(committed);
+                    return self.ended_by_body(committed, attempt);
                 }
                 let observed = attempt.failure_cause().or_else(|| self.conflict.take());
                 let lost = attempt.roll_back().instrument(self.span.clone()).await;
@@ -474,7 +486,7 @@ impl<'p> RetryLoop<'p> {
                 "commit_unknown",
             ),
             CommitFailure::RolledBack(_) => (Error::RolledBack, "rolled_back"),
-            CommitFailure::EndedByBody { committed } => return self.ended_by_body(committed),
+            CommitFailure::EndedByBody { committed } => return self.answer_ended(committed),
             CommitFailure::Failed(err) => (Error::Commit(err), "commit_failed"),
             CommitFailure::SavepointOpen => (Error::SavepointOpen, "savepoint_open"),
             CommitFailure::Replaced => (Error::ConnectionReplaced, "connection_replaced"),
@@ -482,13 +494,32 @@ impl<'p> RetryLoop<'p> {
         self.done(Err(E::from(err)), label)
     }
 
-    /// The answer to a body that ended the transaction itself.
-    fn ended_by_body<T, E: FromIdemError>(&mut self, committed: bool) -> ControlFlow<Result<T, E>> {
+    /// The answer to a body that ended the transaction itself, its
+    /// attempt (rolled back) kept when the body committed.
+    fn ended_by_body<T, E: FromIdemError>(
+        &mut self,
+        committed: bool,
+        attempt: Attempt,
+    ) -> ControlFlow<Result<T, E>> {
+        let outcome = self.answer_ended(committed);
+        self.keep_ended(attempt, outcome)
+    }
+
+    fn answer_ended<T, E: FromIdemError>(&mut self, committed: bool) -> ControlFlow<Result<T, E>> {
         self.body_committed = committed;
         self.done(
             Err(E::from(Error::TransactionEnded { committed })),
             "ended_by_body",
         )
+    }
+
+    /// `outcome`, keeping `attempt` for [`Self::take_ended`] if its body
+    /// committed by hand.
+    fn keep_ended<O>(&mut self, attempt: Attempt, outcome: O) -> O {
+        if self.body_committed {
+            self.ended = Some(attempt);
+        }
+        outcome
     }
 
     fn done<T, E>(&self, outcome: Result<T, E>, label: &'static str) -> ControlFlow<Result<T, E>> {

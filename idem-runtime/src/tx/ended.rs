@@ -3,9 +3,31 @@
 //! idem stopped waiting for them. What [`Tx::refuse`] and the retry loop
 //! decide a body's end on.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use diesel::pg::Pg;
+use diesel::query_builder::{QueryFragment, QueryId};
+use diesel_async::RunQueryDsl;
+
 use super::Tx;
+use crate::pool::{Marks, Wire};
+
+/// Whether the body committed by hand, still readable once the attempt and
+/// its connection are gone (a call dropped, or a body that panicked, after
+/// its own `COMMIT`).
+pub(crate) struct EndWatch {
+    wire: Arc<Wire>,
+    begun: Marks,
+}
+
+impl EndWatch {
+    /// The transaction committed since `BEGIN` (idem's own `COMMIT` counts
+    /// too), or a request that may commit went unanswered.
+    pub(crate) fn committed(&self) -> bool {
+        self.wire.marks().since(self.begun) == Some(true) || self.wire.unanswered_may_commit()
+    }
+}
 
 /// Where the body's requests stand once [`Tx::settle`] stopped waiting.
 pub(super) enum Settled {
@@ -19,6 +41,14 @@ pub(super) enum Settled {
 }
 
 impl Tx {
+    /// A watch on how this transaction ends, see [`EndWatch`].
+    pub(crate) fn watch_end(&self) -> Option<EndWatch> {
+        Some(EndWatch {
+            wire: self.conn.as_ref()?.wire_arc(),
+            begun: self.begun,
+        })
+    }
+
     /// Whether the body ended (or began) a transaction itself since `BEGIN`
     /// (a `COMMIT`, `ROLLBACK`, `BEGIN` or `PREPARE TRANSACTION` of its own,
     /// or a statement whose failure ended the transaction): `Some(true)` when
@@ -56,5 +86,37 @@ impl Tx {
         } else {
             Settled::Running
         })
+    }
+
+    /// Once the body ended the transaction and idem rolled back what was
+    /// left: run `statement` alone (it commits on its own) on the same
+    /// connection, before it goes back to the pool, within `timeout`.
+    /// `None` when the connection is gone or still in a transaction.
+    ///
+    /// For a write that must come before anything else gets the
+    /// connection: callers waiting on the pool would get it first, and run
+    /// before the write (a local idempotent call's key, held after a body
+    /// committed by hand, with duplicates queued on a pool of one).
+    pub(crate) async fn run_alone<Q>(
+        &mut self,
+        timeout: Duration,
+        statement: Q,
+    ) -> Option<Result<usize, String>>
+    where
+        Q: QueryFragment<Pg> + QueryId + Send,
+    {
+        if self.open || self.conn.is_none() || !self.holds_its_session() {
+            return None;
+        }
+        match tokio::time::timeout(timeout, statement.execute(self.conn())).await {
+            Ok(Ok(written)) => Some(Ok(written)),
+            Ok(Err(e)) => Some(Err(e.to_string())),
+            Err(_) => {
+                // It may still run, and hold its locks: stopped with the
+                // connection.
+                self.cancel_and_discard();
+                Some(Err(format!("no answer within {timeout:?}")))
+            }
+        }
     }
 }

@@ -50,6 +50,7 @@ mod prepared;
 pub use begin::Isolation;
 pub(crate) use begin::Timeouts;
 use begin::SYNCHRONOUS;
+pub(crate) use ended::EndWatch;
 use ended::Settled;
 pub(crate) use pipeline::{Closing, Last, Opening, Render};
 pub(crate) use prepared::{Prepared, Session};

@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 
 use diesel::sql_types::{Binary, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use scoped_futures::ScopedFutureExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -33,11 +32,12 @@ use super::store::{self, Outcome, Record};
 use super::{Idempotent, IdempotentError};
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::retry::{retry, Attempt, Begin, RetryLoop, RetryPolicy, Step};
-use crate::tx::{Closing, CommitFailure};
+use crate::retry::{Attempt, Begin, RetryLoop, Step};
+use crate::tx::{Closing, CommitFailure, EndWatch};
 
 #[cfg(feature = "redis")]
 mod cache;
+mod hold;
 
 /// How often a duplicate that may wait looks at the first request again.
 const WAIT_POLL: Duration = Duration::from_millis(20);
@@ -64,6 +64,13 @@ pub struct Call<E> {
     /// The completed record this attempt read or wrote, as stored, for the
     /// cache (kept only when there is one).
     completed: Option<Completed>,
+    /// The pool, for a key held after the call was dropped (see `Drop`).
+    pool: Pool,
+    /// Local mode: whether this attempt's body committed by hand, with the
+    /// attempt's commit timeout.
+    watch: Option<(EndWatch, Duration)>,
+    /// [`Call::end`] ran.
+    ended: bool,
 }
 
 /// A completed record as the database stores it, to copy to the cache.
@@ -94,7 +101,7 @@ type StepOf<V, E> = Step<Reply<V, <E as IdempotentError>::Final>>;
 // `IdempotentError` is then one E0277 at the function, not one per method.
 impl<E> Call<E> {
     /// A call of `request`.
-    pub fn new(request: Request) -> Self
+    pub fn new(request: Request, pool: &Pool) -> Self
     where
         E: IdempotentError,
     {
@@ -109,6 +116,9 @@ impl<E> Call<E> {
             #[cfg(feature = "redis")]
             cache: None,
             completed: None,
+            pool: pool.clone(),
+            watch: None,
+            ended: false,
         }
     }
 
@@ -177,6 +187,7 @@ impl<E> Call<E> {
                 Ok(Err(e)) => return Some(Err(db(e))),
                 Err(e) => return Some(Err(E::from(e))),
             };
+            self.watch = attempt.watch_end();
             // An expired record is new to this request, and taken over.
             self.takeover = stored.is_some();
             match stored.map_or(Found::New, |s| self.request.judge(s)) {
@@ -442,12 +453,14 @@ impl<E> Call<E> {
     pub async fn end<V>(
         #[cfg_attr(not(feature = "redis"), allow(unused_mut))] mut self,
         pool: &Pool,
-        retry_loop: &RetryLoop<'_>,
+        retry_loop: &mut RetryLoop<'_>,
         outcome: Result<Reply<V, E::Final>, E>,
     ) -> Result<Idempotent<V>, E>
     where
         E: IdempotentError,
     {
+        // Whatever happens from here is this call's own answer (see `Drop`).
+        self.ended = true;
         let timeout = retry_loop.policy().commit_timeout;
         #[cfg(feature = "redis")]
         if outcome.is_ok() {
@@ -467,29 +480,23 @@ impl<E> Call<E> {
                 })
             }
             Ok(Reply::Replayed(Err(stored))) => return Err(E::from_final(stored)),
-            Ok(Reply::FinalStored) => match self.pending_final {
+            Ok(Reply::FinalStored) => match self.pending_final.take() {
                 Some((err, _)) => return Err(err),
                 None => unreachable!("FinalStored only follows a pending final error"),
             },
             Err(err) => err,
         };
-        let Call {
-            request,
-            claimed,
-            body_ran,
-            pending_final,
-            ..
-        } = self;
+        let request = &self.request;
         // A final error whose storing failed still is the answer: the body's
         // writes were rolled back, and the next request runs again.
-        let (err, nothing_happened) = match pending_final {
+        let (err, nothing_happened) = match self.pending_final.take() {
             Some((final_err, _)) => (final_err, true),
             None => {
-                let nothing = !body_ran || err.nothing_sent();
+                let nothing = !self.body_ran || err.nothing_sent();
                 (err, nothing)
             }
         };
-        if claimed {
+        if self.claimed {
             let statement = if nothing_happened {
                 store::RELEASE
             } else {
@@ -499,52 +506,28 @@ impl<E> Call<E> {
                 .bind::<Text, _>(request.scope())
                 .bind::<Text, _>(request.key())
                 .bind::<Nullable<Binary>, _>(request.owner());
-            if let Err(e) = bounded(pool, timeout, "idem.settle_claim", settle).await {
+            if let Err(e) = hold::bounded(pool, timeout, "idem.settle_claim", settle).await {
                 tracing::error!(key = %request.key(), error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown");
             }
         } else if !request.external() && retry_loop.body_committed() {
-            // Local: the body committed by hand, without the record that
-            // rides on idem's COMMIT. A repeat must not run it again.
-            match bounded(pool, timeout, "idem.hold_unknown", request.hold_unknown()).await {
-                Ok(1) => {
-                    tracing::warn!(key = %request.key(), "the body committed by hand: its key is held as outcome unknown")
-                }
-                Ok(_) => {
-                    tracing::error!(key = %request.key(), "the body committed by hand, and another request of its key ran in the meantime")
-                }
-                Err(e) => {
-                    tracing::error!(key = %request.key(), error = %e, "the body committed by hand, and its key could not be held as outcome unknown: a repeat will run it again")
-                }
-            }
+            hold::hold_unknown(pool, timeout, request, retry_loop.take_ended()).await;
         }
         Err(err)
     }
 }
 
-/// Run one statement of this call's settling (its external claim, or its
-/// local key held as outcome unknown) through the retry loop, within
-/// `timeout`: its row lock waits and statements are bounded by the loop's
-/// deadline, its `COMMIT` by the same `timeout` (the row may still be locked
-/// by an attempt whose COMMIT went unanswered). How many rows it wrote.
-async fn bounded<Q>(
-    pool: &Pool,
-    timeout: Duration,
-    name: &'static str,
-    statement: Q,
-) -> Result<usize, Error>
-where
-    Q: diesel::query_builder::QueryFragment<diesel::pg::Pg>
-        + diesel::query_builder::QueryId
-        + Clone
-        + Send
-        + Sync,
-{
-    let policy = RetryPolicy::new().deadline(timeout).commit_timeout(timeout);
-    retry(pool, policy, name, |conn| {
-        let statement = statement.clone();
-        async move { statement.execute(conn).await.map_err(Error::Database) }.scope_boxed()
-    })
-    .await
+impl<E> Drop for Call<E> {
+    /// A local call dropped (its caller gave up, or its body panicked)
+    /// after its body committed by hand, before [`Call::end`] could hold
+    /// its key: held now, in a task of its own.
+    fn drop(&mut self) {
+        if self.ended || self.request.external() {
+            return;
+        }
+        if let Some((_, timeout)) = self.watch.as_ref().filter(|(w, _)| w.committed()) {
+            hold::hold_in_background(self.pool.clone(), *timeout, self.request.clone());
+        }
+    }
 }
 
 /// `step`, answering `value` where it answers at all.

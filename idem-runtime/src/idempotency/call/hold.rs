@@ -1,0 +1,90 @@
+//! Local mode's key held as outcome unknown once a body committed by hand:
+//! its record rides on idem's own `COMMIT`, which never ran, so without
+//! the hold a repeat would run the body again. Held as soon as the call
+//! knows: on the attempt's own connection before callers waiting on the
+//! pool get it, else through the pool, or in a task of its own when the
+//! call was dropped first. And the bounded statement external mode settles
+//! its claim with.
+
+use std::time::Duration;
+
+use diesel_async::RunQueryDsl;
+use scoped_futures::ScopedFutureExt;
+
+use super::super::request::Request;
+use crate::error::Error;
+use crate::pool::Pool;
+use crate::retry::{retry, Attempt, RetryPolicy};
+
+/// Hold `request`'s key (local mode) after its body committed by hand, on
+/// `ended`'s connection when the attempt kept one, else through `pool`.
+/// Logged, never returned: the caller's answer is the body's end.
+pub(super) async fn hold_unknown(
+    pool: &Pool,
+    timeout: Duration,
+    request: &Request,
+    ended: Option<Attempt>,
+) {
+    let statement = request.hold_unknown();
+    let on_its_own = match ended {
+        Some(mut attempt) => attempt.run_alone(statement).await,
+        None => None,
+    };
+    let held = match on_its_own {
+        Some(held) => held,
+        None => bounded(pool, timeout, "idem.hold_unknown", statement)
+            .await
+            .map_err(|e| e.to_string()),
+    };
+    let key = request.key();
+    match held {
+        Ok(1) => tracing::warn!(
+            key,
+            "the body committed by hand: its key is held as outcome unknown"
+        ),
+        Ok(_) => tracing::error!(
+            key,
+            "the body committed by hand, and another request of its key ran in the meantime"
+        ),
+        Err(e) => {
+            tracing::error!(key, error = %e, "the body committed by hand, and its key could not be held as outcome unknown: a repeat will run it again")
+        }
+    }
+}
+
+/// [`hold_unknown`] for a call dropped after its body committed by hand,
+/// in a task of its own (nothing without a Tokio runtime: logged).
+pub(super) fn hold_in_background(pool: Pool, timeout: Duration, request: Request) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(async move { hold_unknown(&pool, timeout, &request, None).await });
+        }
+        Err(_) => tracing::error!(key = request.key(), "a call dropped after its body committed by hand, outside a Tokio runtime: its key is not held"),
+    }
+}
+
+/// Run one statement of this call's settling (its external claim, or its
+/// local key held as outcome unknown) through the retry loop, within
+/// `timeout`: its row lock waits and statements are bounded by the loop's
+/// deadline, its `COMMIT` by the same `timeout` (the row may still be locked
+/// by an attempt whose COMMIT went unanswered). How many rows it wrote.
+pub(super) async fn bounded<Q>(
+    pool: &Pool,
+    timeout: Duration,
+    name: &'static str,
+    statement: Q,
+) -> Result<usize, Error>
+where
+    Q: diesel::query_builder::QueryFragment<diesel::pg::Pg>
+        + diesel::query_builder::QueryId
+        + Clone
+        + Send
+        + Sync,
+{
+    let policy = RetryPolicy::new().deadline(timeout).commit_timeout(timeout);
+    retry(pool, policy, name, |conn| {
+        let statement = statement.clone();
+        async move { statement.execute(conn).await.map_err(Error::Database) }.scope_boxed()
+    })
+    .await
+}
