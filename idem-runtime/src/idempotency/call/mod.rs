@@ -66,11 +66,9 @@ pub struct Call<E> {
     completed: Option<Completed>,
     /// The pool, for a key held after the call was dropped (see `Drop`).
     pool: Pool,
-    /// Local mode: whether this attempt's body committed by hand, with the
-    /// attempt's commit timeout.
+    /// Local mode, until [`Call::end`]: whether this attempt's body
+    /// committed by hand, with the attempt's commit timeout.
     watch: Option<(EndWatch, Duration)>,
-    /// [`Call::end`] ran.
-    ended: bool,
 }
 
 /// A completed record as the database stores it, to copy to the cache.
@@ -118,7 +116,6 @@ impl<E> Call<E> {
             completed: None,
             pool: pool.clone(),
             watch: None,
-            ended: false,
         }
     }
 
@@ -460,7 +457,7 @@ impl<E> Call<E> {
         E: IdempotentError,
     {
         // Whatever happens from here is this call's own answer (see `Drop`).
-        self.ended = true;
+        self.watch = None;
         let timeout = retry_loop.policy().commit_timeout;
         #[cfg(feature = "redis")]
         if outcome.is_ok() {
@@ -521,9 +518,6 @@ impl<E> Drop for Call<E> {
     /// after its body committed by hand, before [`Call::end`] could hold
     /// its key: held now, in a task of its own.
     fn drop(&mut self) {
-        if self.ended || self.request.external() {
-            return;
-        }
         if let Some((_, timeout)) = self.watch.as_ref().filter(|(w, _)| w.committed()) {
             hold::hold_in_background(self.pool.clone(), *timeout, self.request.clone());
         }
