@@ -105,6 +105,12 @@ async fn storm(env: &Env) -> Storm {
     let killer = async {
         while !AtomicBool::load(&stop, Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_millis(120)).await;
+            // Not once more after the callers are done: a kill then closes
+            // an idle pooled connection under the pool check below, which
+            // checks out without idem's retry of a connection broken idle.
+            if AtomicBool::load(&stop, Ordering::SeqCst) {
+                break;
+            }
             env.client
                 .batch_execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
