@@ -51,6 +51,9 @@ pub async fn show(cli: &Cli, pool: &Pool, key: &KeyArgs, show_response: bool) ->
                 "expires",
                 if rec.expired {
                     "expired".into()
+                } else if rec.state != "completed" {
+                    // No purge or call acts on its retention (KeyRecord::expired).
+                    "kept until settled".into()
                 } else {
                     format!("in {}", dur(rec.expires_in))
                 },

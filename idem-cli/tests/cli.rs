@@ -434,3 +434,39 @@ async fn a_live_claim_is_settled_only_with_force() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(state().await, None, "released with --force");
 }
+
+/// A record held as outcome unknown outlives its retention: no purge
+/// deletes it and no call takes it over, so `key show` never calls it
+/// expired (it did, and said a purge might delete it).
+#[tokio::test]
+async fn an_unknown_record_past_its_retention_is_kept_until_settled() {
+    let db = TestDatabase::create().await.expect("a database");
+    drop(migrated(&db).await);
+    let scope = idem::idempotency::scope_hash(&7_i64).expect("scope");
+    let client = idem_testing::connect(db.url()).await.expect("connect");
+    tokio_postgres::Client::execute(
+        &client,
+        "INSERT INTO idem_requests (scope, key, operation, fingerprint, mode, state, expires_at)
+             VALUES ($1, 'held', 'pay', decode(repeat('00', 32), 'hex'), 'local', 'unknown',
+                     now() - interval '1 hour')",
+        &[&scope],
+    )
+    .await
+    .expect("a held record past its retention");
+    let (code, out, _) = idem(db.url(), &["--json", "key", "show", "--scope", "7", "held"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json(&out)["state"], "unknown", "{out}");
+    assert_eq!(json(&out)["expired"], false, "{out}");
+    let (code, out, _) = idem(db.url(), &["key", "show", "--scope", "7", "held"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("kept until settled"), "{out}");
+    let (code, out, _) = idem(db.url(), &["--json", "purge", "--expired"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json(&out)["deleted"], 0, "{out}");
+    let (code, out, _) = idem(db.url(), &["--json", "key", "show", "--scope", "7", "held"]);
+    assert_eq!(
+        (code, json(&out)["state"].clone()),
+        (0, "unknown".into()),
+        "{out}"
+    );
+}

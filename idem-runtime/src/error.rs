@@ -195,9 +195,12 @@ pub enum Error {
     Database(#[from] diesel::result::Error),
 }
 
-/// The message every caller of a key with an unknown outcome gets.
+/// The message every caller of a key with an unknown outcome gets. It names
+/// no outside system: a local key is held this way too, after its body
+/// committed by hand without the record (see [`Error::OutcomeUnknown`]).
 pub const OUTCOME_UNKNOWN_MESSAGE: &str =
-    "the request may have reached the target system; its outcome is decided there; not retried";
+    "the first request with this key may have taken effect and its outcome is not known here; \
+     not run again until the key is settled";
 
 /// Why a response cannot be stored under its key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

@@ -473,6 +473,9 @@ pub(crate) fn key_lookup(
                     "expires in",
                     if r.expired {
                         "expired".to_owned()
+                    } else if r.state != "completed" {
+                        // No purge or call acts on its retention (KeyRecord::expired).
+                        "kept until settled".to_owned()
                     } else {
                         age(Some(r.expires_in))
                     },

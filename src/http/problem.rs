@@ -33,8 +33,9 @@ pub mod problem_type {
     /// 409: the first request with this key is still running; retry later
     /// with the same key.
     pub const IN_PROGRESS: &str = "urn:idem:problem:request-in-progress";
-    /// 502: the first request with this key may have reached another system,
-    /// and its outcome is decided there; it is not run again.
+    /// 502: the first request with this key may have taken effect (reached
+    /// another system, or committed by hand in local mode) and its outcome
+    /// is not known here; it is not run again until the key is settled.
     pub const OUTCOME_UNKNOWN: &str = "urn:idem:problem:outcome-unknown";
     /// 409: every attempt lost a race for the same rows; nothing was
     /// committed, and the request may be sent again.
@@ -343,7 +344,8 @@ impl From<&Error> for Problem {
                 "Outcome unknown",
                 format!(
                     "{OUTCOME_UNKNOWN_MESSAGE}: the first request with this Idempotency-Key may \
-                     have reached its target, and it will not be sent again under this key"
+                     have reached its target or committed, and it will not run again under this \
+                     key"
                 ),
             ),
             Error::Exhausted {

@@ -113,7 +113,7 @@ impl ReplaceZero for Vec<u8> {
 }
 
 /// External mode: an in-progress claim and an outcome-unknown record are
-/// never copied to Redis (their duplicates get 409 and "may have reached"
+/// never copied to Redis (their duplicates get 409 and "outcome unknown"
 /// from the database); a completed one is, and is then replayed from it.
 #[tokio::test]
 async fn in_progress_and_unknown_records_are_never_cached() {

@@ -349,7 +349,7 @@ async fn found_duplicates_queued_on_the_pool_run_before_the_hold() {
 /// waits at `gate` twice (the test acts in between) and answers `Ok`.
 #[idempotent(key = key, fingerprint(key), scope = none)]
 #[retryable(max = 1, deadline_ms = 30000, commit_timeout_ms = 1500)]
-async fn commits_at_gate(
+pub(super) async fn commits_at_gate(
     conn: &mut AsyncPgConnection,
     key: &str,
     gate: &Barrier,

@@ -255,14 +255,16 @@ async fn external_failures_release_or_keep_the_key_until_settled() {
         match &result {
             Err(AppError::Idem(e @ idem::Error::OutcomeUnknown)) => assert_eq!(
                 e.to_string(),
-                "the request may have reached the target system; its outcome is decided there; not retried"
+                "the first request with this key may have taken effect and its outcome is not known \
+                 here; not run again until the key is settled"
             ),
             other => panic!("expected outcome unknown, got {other:?}"),
         }
     }
     assert_eq!(
         OUTCOME_UNKNOWN_MESSAGE,
-        "the request may have reached the target system; its outcome is decided there; not retried"
+        "the first request with this key may have taken effect and its outcome is not known \
+                 here; not run again until the key is settled"
     );
     assert_eq!(target.script.calls(), 3, "never re-run");
     // The body's own writes of the failed attempt were rolled back.

@@ -213,3 +213,82 @@ async fn a_hand_commit_takes_over_an_expired_record() {
     assert!(matches_idem(&repeat, "OutcomeUnknown"), "{repeat:?}");
     assert_eq!(env.effects(key).await, 2);
 }
+
+/// A call dropped while [`Call::end`](idem) writes its hold: here through
+/// the pool (the body's backend was killed after its `COMMIT`), blocked on
+/// `idem_requests` locked by someone else, when the caller gives up. The
+/// hold's statement goes with the call, so the drop writes it again from a
+/// task of its own, once the table is free. (Before, nothing did: a repeat
+/// ran the body again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dropped_while_its_key_is_held_is_held_again() {
+    use super::attack_hold::commits_at_gate;
+    let env = env(2).await;
+    let locker = side_connection(env.db.url()).await;
+    let key = "dropped-in-hold";
+    let runs = Arc::new(AtomicU32::new(0));
+    let gate = Arc::new(tokio::sync::Barrier::new(2));
+    let call = {
+        let (pool, gate, runs) = (env.pool.clone(), gate.clone(), runs.clone());
+        tokio::spawn(async move { commits_at_gate(&pool, key, &gate, &runs).await })
+    };
+    gate.wait().await;
+    locker
+        .batch_execute(
+            "BEGIN; LOCK TABLE idem_requests IN ACCESS EXCLUSIVE MODE; \
+             SELECT pg_terminate_backend(n::int) FROM effects WHERE tag = 'dropped-in-hold'",
+        )
+        .await
+        .unwrap();
+    gate.wait().await;
+    // The hold's INSERT waits on the lock (commit_timeout_ms = 1500).
+    let waiting = "SELECT count(*) FROM pg_locks WHERE relation = 'idem_requests'::regclass \
+                   AND NOT granted";
+    let until = Instant::now() + Duration::from_secs(10);
+    while env.scalar(waiting).await == 0 {
+        assert!(Instant::now() < until, "the hold never waited on the lock");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while env.state(key).await.is_none() {
+        assert!(Instant::now() < until, "the key was never held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        env.record(key).await,
+        Some(("unknown".to_owned(), None, None))
+    );
+    let repeat = commits_at_gate(&env.pool, key, &tokio::sync::Barrier::new(1), &runs).await;
+    assert!(matches_idem(&repeat, "OutcomeUnknown"), "{repeat:?}");
+    assert_eq!((calls(&runs), env.effects(key).await), (1, 1));
+}
+
+#[idempotent(key = key, fingerprint(key), scope = none)]
+#[retryable(max = 3, deadline_ms = 8000)]
+async fn commits_then_read_only(conn: &mut AsyncPgConnection, key: &str) -> Result<i64, AppError> {
+    let id = insert_effect(conn, key, 1).await?;
+    conn.batch_execute("COMMIT; SET default_transaction_read_only = on")
+        .await?;
+    Ok(id)
+}
+
+/// A hold its own connection refuses (the body committed, then made its
+/// session read-only): written through the pool instead, on a connection
+/// of its own. (Before, the refusal was only logged: a repeat ran again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_refused_on_the_calls_connection_goes_through_the_pool() {
+    let env = env(2).await;
+    let key = "hand-read-only";
+    let first = commits_then_read_only(&env.pool, key).await;
+    assert!(ended(&first, true), "{first:?}");
+    assert_eq!(
+        env.record(key).await,
+        Some(("unknown".to_owned(), None, None))
+    );
+    let repeat = commits_then_read_only(&env.pool, key).await;
+    assert!(matches_idem(&repeat, "OutcomeUnknown"), "{repeat:?}");
+    assert_eq!(env.effects(key).await, 1);
+}

@@ -108,11 +108,17 @@ pub struct KeyRecord {
     /// Since the record was made (in JSON, seconds).
     #[serde(serialize_with = "ser_secs")]
     pub age: Duration,
-    /// Until its retention ends; zero when it has (in JSON, seconds).
+    /// Until a completed record's retention ends; zero when it has (in
+    /// JSON, seconds). An `in_progress` or `unknown` record has a retention
+    /// time too, but nothing acts on it: see [`KeyRecord::expired`].
     #[serde(serialize_with = "ser_secs")]
     pub expires_in: Duration,
-    /// Whether its retention has ended (a purge may delete it, a new call
-    /// with the key takes it over).
+    /// Whether the record is completed and its retention has ended: a purge
+    /// may delete it, and a new call with the key takes it over. Always
+    /// false for an `in_progress` or `unknown` record, whatever its
+    /// retention says: no purge deletes one and no call takes one over (an
+    /// `in_progress` claim becomes `unknown` when its lease runs out), so it
+    /// stays until it is settled ([`settle`], `idem key settle`).
     pub expired: bool,
     /// What is left of an in-progress claim's lease; zero when it ran out
     /// (in JSON, seconds or null).
@@ -150,6 +156,7 @@ pub async fn show_key<S: Serialize + ?Sized>(
     .load(&mut conn)
     .await?;
     Ok(rows.into_iter().next().map(|r| KeyRecord {
+        expired: r.state == "completed" && r.expires_in <= 0.0,
         scope: r.scope,
         scope_label: r.scope_label,
         key: r.key,
@@ -161,7 +168,6 @@ pub async fn show_key<S: Serialize + ?Sized>(
         response: r.response,
         age: secs(r.age),
         expires_in: secs(r.expires_in),
-        expired: r.expires_in <= 0.0,
         lease_left: r.lease_left.map(secs),
         owner: r.owner,
     }))

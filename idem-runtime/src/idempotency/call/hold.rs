@@ -6,7 +6,7 @@
 //! call was dropped first. And the bounded statement external mode settles
 //! its claim with.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use diesel_async::RunQueryDsl;
 use scoped_futures::ScopedFutureExt;
@@ -26,17 +26,31 @@ pub(super) async fn hold_unknown(
     ended: Option<Attempt>,
 ) {
     let statement = request.hold_unknown();
+    let started = Instant::now();
     let on_its_own = match ended {
         Some(mut attempt) => attempt.run_alone(statement).await,
         None => None,
     };
-    let held = match on_its_own {
-        Some(held) => held,
-        None => bounded(pool, timeout, "idem.hold_unknown", statement)
-            .await
-            .map_err(|e| e.to_string()),
-    };
     let key = request.key();
+    let held = match on_its_own {
+        Some(Ok(written)) => Ok(written),
+        // Failed there (its connection lost after the body's `COMMIT`, say):
+        // through the pool, in what is left of `timeout`. Had the first
+        // written it after all, the second finds it and writes nothing.
+        not_there => {
+            if let Some(Err(e)) = not_there {
+                tracing::debug!(key, error = %e, "the hold on the call's own connection failed");
+            }
+            match timeout.checked_sub(started.elapsed()) {
+                Some(left) if !left.is_zero() => {
+                    bounded(pool, left, "idem.hold_unknown", statement)
+                        .await
+                        .map_err(|e| e.to_string())
+                }
+                _ => Err(format!("no answer within {timeout:?}")),
+            }
+        }
+    };
     match held {
         Ok(1) => tracing::warn!(
             key,
@@ -44,7 +58,7 @@ pub(super) async fn hold_unknown(
         ),
         Ok(_) => tracing::error!(
             key,
-            "the body committed by hand, and another request of its key ran in the meantime"
+            "the body committed by hand, and its key already had a live record (held once already, or another request of its key ran in the meantime)"
         ),
         Err(e) => {
             tracing::error!(key, error = %e, "the body committed by hand, and its key could not be held as outcome unknown: a repeat will run it again")

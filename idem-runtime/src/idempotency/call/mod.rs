@@ -69,6 +69,9 @@ pub struct Call<E> {
     /// Local mode, until [`Call::end`]: whether this attempt's body
     /// committed by hand, with the attempt's commit timeout.
     watch: Option<(EndWatch, Duration)>,
+    /// While [`Call::end`] holds the key, with the commit timeout: a drop
+    /// then holds it again (see `Drop`).
+    holding: Option<Duration>,
 }
 
 /// A completed record as the database stores it, to copy to the cache.
@@ -116,6 +119,7 @@ impl<E> Call<E> {
             completed: None,
             pool: pool.clone(),
             watch: None,
+            holding: None,
         }
     }
 
@@ -507,7 +511,12 @@ impl<E> Call<E> {
                 tracing::error!(key = %request.key(), error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown");
             }
         } else if !request.external() && retry_loop.body_committed() {
-            hold::hold_unknown(pool, timeout, request, retry_loop.take_ended()).await;
+            // Dropped before the hold is known written (its checkout or its
+            // statement cancelled with the call), the call holds the key
+            // again from a task of its own; a second hold finds the first.
+            self.holding = Some(timeout);
+            hold::hold_unknown(pool, timeout, &self.request, retry_loop.take_ended()).await;
+            self.holding = None;
         }
         Err(err)
     }
@@ -515,11 +524,12 @@ impl<E> Call<E> {
 
 impl<E> Drop for Call<E> {
     /// A local call dropped (its caller gave up, or its body panicked)
-    /// after its body committed by hand, before [`Call::end`] could hold
-    /// its key: held now, in a task of its own.
+    /// after its body committed by hand, before [`Call::end`] held its key:
+    /// held now, in a task of its own.
     fn drop(&mut self) {
-        if let Some((_, timeout)) = self.watch.as_ref().filter(|(w, _)| w.committed()) {
-            hold::hold_in_background(self.pool.clone(), *timeout, self.request.clone());
+        let watched = self.watch.as_ref().filter(|(w, _)| w.committed());
+        if let Some(timeout) = self.holding.or(watched.map(|(_, t)| *t)) {
+            hold::hold_in_background(self.pool.clone(), timeout, self.request.clone());
         }
     }
 }
