@@ -102,6 +102,7 @@ async fn storm(env: &Env) -> Storm {
         }
         rs
     };
+    let mut killed: Vec<i32> = vec![];
     let killer = async {
         while !AtomicBool::load(&stop, Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_millis(120)).await;
@@ -111,13 +112,16 @@ async fn storm(env: &Env) -> Storm {
             if AtomicBool::load(&stop, Ordering::SeqCst) {
                 break;
             }
-            env.client
-                .batch_execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+            let rows = env
+                .client
+                .query(
+                    "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity \
                      WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                    &[],
                 )
                 .await
                 .unwrap();
+            killed = rows.iter().map(|r| r.get(0)).collect();
         }
     };
     let work = async {
@@ -126,6 +130,23 @@ async fn storm(env: &Env) -> Storm {
         all
     };
     let (all, ()) = join(work, killer).await;
+    // The last kill may still be under way as the last caller finishes
+    // (`pg_terminate_backend` only signals): until its backends are gone,
+    // an idle pooled connection may be one of them and not know it yet.
+    let until = Instant::now() + Duration::from_secs(10);
+    let alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)";
+    while env
+        .client
+        .query_one(alive, &[&killed])
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+        > 0
+    {
+        assert!(Instant::now() < until, "killed backends never went");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
     let before = env.counter(2).await.0;
     let mut s = Storm::default();
     for r in all.into_iter().flatten() {
