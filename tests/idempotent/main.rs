@@ -25,10 +25,10 @@ mod test_pool;
 
 mod attack;
 mod attack_body;
+mod attack_drop;
 mod attack_dropped;
 mod attack_ext;
 mod attack_hold;
-mod attack_drop;
 mod attack_savepoint;
 mod attack_seal;
 mod attack_session;
