@@ -256,6 +256,31 @@ async fn a_scope_that_is_not_json_is_refused() {
     assert!(reply.body.contains("id=\"record\""), "{}", reply.body);
 }
 
+/// A record held as outcome unknown past its retention is not "expired":
+/// no purge deletes it and no call takes it over.
+#[tokio::test]
+async fn an_unknown_record_past_its_retention_shows_kept_until_settled() {
+    let (db, client) = migrated().await;
+    let addr = serve(&db).await;
+    let scope = idem::idempotency::scope_hash("acme").expect("scope");
+    let insert = "INSERT INTO idem_requests (scope, key, operation, fingerprint, mode, state,
+                                             expires_at)
+                  VALUES ($1, 'k', 'pay', decode(repeat('00', 32), 'hex'), 'local', 'unknown',
+                          now() - interval '1 day')";
+    client.execute(insert, &[&scope]).await.expect("a record");
+    let reply = http(
+        addr,
+        Method::GET,
+        "/admin/key?scope=%22acme%22&key=k",
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply.body.contains("kept until settled"), "{}", reply.body);
+    assert!(!reply.body.contains(">expired<"), "{}", reply.body);
+}
+
 #[tokio::test]
 async fn an_empty_page_past_the_end_says_no_rows() {
     let (db, _client) = migrated().await;
