@@ -359,3 +359,19 @@ impl Script {
         calls(&self.calls)
     }
 }
+
+/// Whether `what` became true within `within`, polled.
+async fn eventually<F, Fut>(within: Duration, mut what: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let until = Instant::now() + within;
+    while !what().await {
+        if Instant::now() >= until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}

@@ -252,19 +252,20 @@ impl Attempt {
     }
 
     /// See [`Tx::watch_end`]; with the attempt's commit timeout.
-    pub(crate) fn watch_end(&self) -> Option<(crate::tx::EndWatch, Duration)> {
-        Some((self.tx.as_ref()?.watch_end()?, self.commit_timeout))
+    pub(crate) fn watch_end(&mut self) -> Option<(crate::tx::EndWatch, Duration)> {
+        Some((self.tx.as_mut()?.watch_end()?, self.commit_timeout))
     }
 
-    /// See [`Tx::run_alone`].
-    pub(crate) async fn run_alone<Q>(&mut self, statement: Q) -> Option<Result<usize, String>>
-    where
-        Q: diesel::query_builder::QueryFragment<diesel::pg::Pg>
-            + diesel::query_builder::QueryId
-            + Send,
-    {
-        let timeout = self.commit_timeout;
-        self.tx.as_mut()?.run_alone(timeout, statement).await
+    /// The attempt's transaction, for [`Tx::run_alone`] once it ended.
+    pub(crate) fn into_tx(self) -> Option<Tx> {
+        self.tx
+    }
+
+    /// See [`Tx::after_body_commit`].
+    pub(crate) fn after_body_commit(&mut self, then: crate::tx::AfterBodyCommit) {
+        if let Some(tx) = self.tx.as_mut() {
+            tx.after_body_commit(then);
+        }
     }
 
     pub(crate) fn end_in_background(self) {

@@ -5,6 +5,7 @@
 use deadpool::managed::Object;
 
 use super::Tx;
+use crate::pool::Wire;
 
 impl Tx {
     /// Whether the connection in the transaction's slot is still the one
@@ -36,8 +37,31 @@ impl Tx {
         self.cancel_and_discard();
     }
 
+    /// A statement still in flight on a connection idem's transaction no
+    /// longer holds (a local key's hold the call was dropped in): the
+    /// connection goes back to the pool once it is answered, or within the
+    /// transaction's statement bound, in a task of its own. Until then its
+    /// slot stays taken: returned at once, its statement would be given a
+    /// moment and then abandoned, and the caller waiting next would run
+    /// beside it, before what it writes is committed.
+    fn release_when_answered(&mut self) {
+        let running = self.wire().is_some_and(Wire::running);
+        let (Some(conn), Ok(runtime)) = (
+            self.conn.take().filter(|_| running),
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return;
+        };
+        let within = self.timeouts.bounds().statement;
+        runtime.spawn(async move {
+            conn.wire().settled(within).await;
+            drop(conn);
+        });
+    }
+
     /// Close the connection instead of returning it to the pool.
     pub(crate) fn discard(&mut self) {
+        self.close_watches();
         if let Some(conn) = self.conn.take() {
             drop(Object::take(conn));
         }
@@ -87,8 +111,15 @@ fn cancel(token: tokio_postgres::CancelToken) {
 
 impl Drop for Tx {
     fn drop(&mut self) {
+        self.close_watches();
+        if self.hand_off_after_body_commit() {
+            return;
+        }
         // A connection goes back to the pool unguarded, whatever the path.
         self.unguard();
+        if !self.open {
+            self.release_when_answered();
+        }
         if self.open {
             tracing::warn!("transaction dropped while open; closing its connection");
             // A call dropped (or a body that panicked) after swapping the

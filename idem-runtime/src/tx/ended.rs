@@ -3,7 +3,10 @@
 //! idem stopped waiting for them. What [`Tx::refuse`] and the retry loop
 //! decide a body's end on.
 
-use std::sync::Arc;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use diesel::pg::Pg;
@@ -19,14 +22,47 @@ use crate::pool::{Marks, Wire};
 pub(crate) struct EndWatch {
     wire: Arc<Wire>,
     begun: Marks,
+    state: Arc<EndState>,
+}
+
+/// What a transaction's watches share with it.
+#[derive(Default)]
+pub(crate) struct EndState {
+    /// The answer when the connection left the transaction: from then on
+    /// the wire is another user's (back in the pool), whose commits are
+    /// not this transaction's.
+    seen: OnceLock<bool>,
+    /// Dropped after its body committed by hand, the transaction was handed
+    /// to its [`AfterBodyCommit`] with its connection.
+    handed_off: AtomicBool,
 }
 
 impl EndWatch {
     /// The transaction committed since `BEGIN` (idem's own `COMMIT` counts
-    /// too), or a request that may commit went unanswered.
+    /// too), or a request that may commit went unanswered, up to when the
+    /// connection left the transaction.
     pub(crate) fn committed(&self) -> bool {
-        self.wire.marks().since(self.begun) == Some(true) || self.wire.unanswered_may_commit()
+        match self.state.seen.get() {
+            Some(seen) => *seen,
+            None => committed_since(&self.wire, self.begun),
+        }
     }
+
+    /// Whether the transaction, dropped after its body committed by hand,
+    /// went to its [`AfterBodyCommit`] (see [`Tx::after_body_commit`]).
+    pub(crate) fn handed_off(&self) -> bool {
+        AtomicBool::load(&self.state.handed_off, Ordering::SeqCst)
+    }
+}
+
+/// What to run, on the transaction's own connection, when a transaction is
+/// dropped open after its body committed by hand: the connection's pool
+/// slot stays taken until it is done (see [`Tx::after_body_commit`]).
+pub(crate) type AfterBodyCommit =
+    Box<dyn FnOnce(Tx) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+fn committed_since(wire: &Wire, begun: Marks) -> bool {
+    wire.marks().since(begun) == Some(true) || wire.unanswered_may_commit()
 }
 
 /// Where the body's requests stand once [`Tx::settle`] stopped waiting.
@@ -42,11 +78,74 @@ pub(super) enum Settled {
 
 impl Tx {
     /// A watch on how this transaction ends, see [`EndWatch`].
-    pub(crate) fn watch_end(&self) -> Option<EndWatch> {
+    pub(crate) fn watch_end(&mut self) -> Option<EndWatch> {
+        let wire = self.conn.as_ref()?.wire_arc();
+        let state = self.end_state.get_or_insert_with(Default::default).clone();
         Some(EndWatch {
-            wire: self.conn.as_ref()?.wire_arc(),
+            wire,
             begun: self.begun,
+            state,
         })
+    }
+
+    /// The connection leaves the transaction (back to the pool, or
+    /// closed): its watches keep what it did until now.
+    pub(super) fn close_watches(&self) {
+        if let (Some(state), Some(wire)) = (self.end_state.as_ref(), self.wire()) {
+            let _ = state.seen.set(committed_since(wire, self.begun));
+        }
+    }
+
+    /// Run `then` with this transaction, in a task of its own, if it is
+    /// dropped after its body committed by hand, before
+    /// [`Tx::done_after_body_commit`]. A drop otherwise
+    /// closes the connection at once, and its pool slot goes to the next
+    /// caller waiting, before anything else could be written for what the
+    /// body committed (a local idempotent call's key, held as outcome
+    /// unknown, with its duplicates waiting on the pool).
+    pub(crate) fn after_body_commit(&mut self, then: AfterBodyCommit) {
+        self.after_body_commit = Some(then);
+    }
+
+    /// What [`Tx::after_body_commit`] set was done another way.
+    pub(crate) fn done_after_body_commit(&mut self) {
+        self.after_body_commit = None;
+    }
+
+    /// See [`Tx::after_body_commit`]: whether this drop handed the
+    /// transaction on.
+    pub(super) fn hand_off_after_body_commit(&mut self) -> bool {
+        let committed = self
+            .wire()
+            .is_some_and(|wire| committed_since(wire, self.begun));
+        // Open (the call dropped before idem rolled back), or not (dropped
+        // while `then`'s own statement was in flight: a prepare that never
+        // got to run it, say).
+        if !committed || !self.holds_its_session() {
+            return false;
+        }
+        let (Some(then), Ok(runtime)) = (
+            self.after_body_commit.take(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return false;
+        };
+        if let Some(state) = self.end_state.as_ref() {
+            state.handed_off.store(true, Ordering::SeqCst);
+        }
+        let tx = Tx {
+            conn: self.conn.take(),
+            open: self.open,
+            timeouts: self.timeouts,
+            begun: self.begun,
+            unmanaged: self.unmanaged,
+            opened: None,
+            end_state: self.end_state.take(),
+            after_body_commit: None,
+        };
+        self.open = false;
+        runtime.spawn(then(tx));
+        true
     }
 
     /// Whether the body ended (or began) a transaction itself since `BEGIN`

@@ -50,8 +50,8 @@ mod prepared;
 pub use begin::Isolation;
 pub(crate) use begin::Timeouts;
 use begin::SYNCHRONOUS;
-pub(crate) use ended::EndWatch;
-use ended::Settled;
+pub(crate) use ended::{AfterBodyCommit, EndWatch};
+use ended::{EndState, Settled};
 pub(crate) use pipeline::{Closing, Last, Opening, Render};
 pub(crate) use prepared::{Prepared, Session};
 
@@ -72,6 +72,10 @@ pub(crate) struct Tx {
     unmanaged: bool,
     /// The rows of the statements sent with `BEGIN`, until taken.
     opened: Option<QueryResult<Vec<Vec<Row>>>>,
+    /// What this transaction's [`EndWatch`]es share with it.
+    end_state: Option<Arc<EndState>>,
+    /// See [`Tx::after_body_commit`].
+    after_body_commit: Option<AfterBodyCommit>,
 }
 
 /// How a `COMMIT` ended, when it did not commit for certain.
@@ -131,6 +135,8 @@ impl Tx {
             begun: Marks::default(),
             unmanaged: false,
             opened: None,
+            end_state: None,
+            after_body_commit: None,
         };
         // From here, whether BEGIN ran is not known until it is answered: a
         // drop closes the connection.
@@ -284,6 +290,8 @@ impl Tx {
     /// Send `COMMIT` (the transaction is known sound) and classify its end.
     async fn send_commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
         self.unguard();
+        // What commits from here is idem's own, not a body's.
+        self.after_body_commit = None;
         let rollbacks = self.wire().map_or(0, Wire::rollbacks);
         let committed = tokio::time::timeout(
             timeout,

@@ -14,7 +14,8 @@ use scoped_futures::ScopedFutureExt;
 use super::super::request::Request;
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::retry::{retry, Attempt, RetryPolicy};
+use crate::retry::{retry, RetryPolicy};
+use crate::tx::{AfterBodyCommit, Tx};
 
 /// Hold `request`'s key (local mode) after its body committed by hand, on
 /// `ended`'s connection when the attempt kept one, else through `pool`.
@@ -23,12 +24,19 @@ pub(super) async fn hold_unknown(
     pool: &Pool,
     timeout: Duration,
     request: &Request,
-    ended: Option<Attempt>,
+    ended: Option<Tx>,
 ) {
     let statement = request.hold_unknown();
     let started = Instant::now();
     let on_its_own = match ended {
-        Some(mut attempt) => attempt.run_alone(statement).await,
+        // Dropped before this is answered, the transaction writes it again
+        // on its connection (see `after_body_commit`), its pool slot given
+        // up only then.
+        Some(mut tx) => {
+            let held = tx.run_alone(timeout, statement).await;
+            tx.done_after_body_commit();
+            held
+        }
         None => None,
     };
     let key = request.key();
@@ -67,13 +75,54 @@ pub(super) async fn hold_unknown(
 }
 
 /// [`hold_unknown`] for a call dropped after its body committed by hand,
-/// in a task of its own (nothing without a Tokio runtime: logged).
+/// in a task of its own (nothing without a Tokio runtime, or when the
+/// runtime shuts down first: logged).
 pub(super) fn hold_in_background(pool: Pool, timeout: Duration, request: Request) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
-            runtime.spawn(async move { hold_unknown(&pool, timeout, &request, None).await });
+            // A runtime shutting down drops its tasks unrun, or midway (a
+            // call dropped with it finds its handle still current).
+            let unheld = Unheld(Some(request.key().to_owned()));
+            runtime.spawn(async move {
+                let mut unheld = unheld;
+                hold_unknown(&pool, timeout, &request, None).await;
+                unheld.0 = None;
+            });
         }
         Err(_) => tracing::error!(key = request.key(), "a call dropped after its body committed by hand, outside a Tokio runtime: its key is not held"),
+    }
+}
+
+/// The hold of a call dropped after its body committed by hand, its
+/// transaction still open: run with that transaction (rolled back first)
+/// on its own connection, whose pool slot stays taken until the hold is
+/// written, so that the callers waiting on the pool (duplicates among them)
+/// come after it (see [`Tx::after_body_commit`]).
+pub(super) fn after_body_commit(
+    pool: Pool,
+    timeout: Duration,
+    request: Request,
+) -> AfterBodyCommit {
+    Box::new(move |mut tx: Tx| {
+        // Made before the task: a runtime shutting down drops it unrun.
+        let unheld = Unheld(Some(request.key().to_owned()));
+        Box::pin(async move {
+            let mut unheld = unheld;
+            tx.roll_back(timeout).await;
+            hold_unknown(&pool, timeout, &request, Some(tx)).await;
+            unheld.0 = None;
+        })
+    })
+}
+
+/// A background hold not (known to be) written: logged when dropped.
+struct Unheld(Option<String>);
+
+impl Drop for Unheld {
+    fn drop(&mut self) {
+        if let Some(key) = self.0.take() {
+            tracing::error!(key, "a call dropped after its body committed by hand: its runtime shut down before its key was held; a repeat will run it again");
+        }
     }
 }
 

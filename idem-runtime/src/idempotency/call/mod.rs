@@ -69,9 +69,9 @@ pub struct Call<E> {
     /// Local mode, until [`Call::end`]: whether this attempt's body
     /// committed by hand, with the attempt's commit timeout.
     watch: Option<(EndWatch, Duration)>,
-    /// While [`Call::end`] holds the key, with the commit timeout: a drop
-    /// then holds it again (see `Drop`).
-    holding: Option<Duration>,
+    /// While [`Call::end`] holds the key: a drop then holds it again (see
+    /// `Drop`). The attempt's watch, kept to see a hand-off.
+    holding: Option<(Option<EndWatch>, Duration)>,
 }
 
 /// A completed record as the database stores it, to copy to the cache.
@@ -189,6 +189,11 @@ impl<E> Call<E> {
                 Err(e) => return Some(Err(E::from(e))),
             };
             self.watch = attempt.watch_end();
+            if let Some((_, timeout)) = self.watch.as_ref() {
+                let hold =
+                    hold::after_body_commit(self.pool.clone(), *timeout, self.request.clone());
+                attempt.after_body_commit(hold);
+            }
             // An expired record is new to this request, and taken over.
             self.takeover = stored.is_some();
             match stored.map_or(Found::New, |s| self.request.judge(s)) {
@@ -461,7 +466,7 @@ impl<E> Call<E> {
         E: IdempotentError,
     {
         // Whatever happens from here is this call's own answer (see `Drop`).
-        self.watch = None;
+        let watch = self.watch.take().map(|(w, _)| w);
         let timeout = retry_loop.policy().commit_timeout;
         #[cfg(feature = "redis")]
         if outcome.is_ok() {
@@ -514,8 +519,9 @@ impl<E> Call<E> {
             // Dropped before the hold is known written (its checkout or its
             // statement cancelled with the call), the call holds the key
             // again from a task of its own; a second hold finds the first.
-            self.holding = Some(timeout);
-            hold::hold_unknown(pool, timeout, &self.request, retry_loop.take_ended()).await;
+            self.holding = Some((watch, timeout));
+            let ended = retry_loop.take_ended().and_then(Attempt::into_tx);
+            hold::hold_unknown(pool, timeout, &self.request, ended).await;
             self.holding = None;
         }
         Err(err)
@@ -527,8 +533,14 @@ impl<E> Drop for Call<E> {
     /// after its body committed by hand, before [`Call::end`] held its key:
     /// held now, in a task of its own.
     fn drop(&mut self) {
-        let watched = self.watch.as_ref().filter(|(w, _)| w.committed());
-        if let Some(timeout) = self.holding.or(watched.map(|(_, t)| *t)) {
+        let (watch, timeout) = match (&self.holding, &self.watch) {
+            (Some((watch, timeout)), _) => (watch.as_ref(), *timeout),
+            (None, Some((watch, timeout))) if watch.committed() => (Some(watch), *timeout),
+            _ => return,
+        };
+        // Not when its transaction was handed on with its connection, to
+        // hold the key there (see `hold::after_body_commit`).
+        if !watch.is_some_and(EndWatch::handed_off) {
             hold::hold_in_background(self.pool.clone(), timeout, self.request.clone());
         }
     }
