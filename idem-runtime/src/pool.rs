@@ -219,6 +219,13 @@ impl Pool {
         self.inner.get().await
     }
 
+    /// A connection made as the pool makes its own, outside its slots: for
+    /// a write that must not wait behind the callers queued on the pool
+    /// (see `Tx::keeps_a_lost_slot`). Closed when dropped.
+    pub(crate) async fn connect_outside(&self) -> Result<Connection, ConnectionError> {
+        self.inner.manager().connect().await
+    }
+
     /// How many connections the pool holds, and may hold.
     pub fn status(&self) -> deadpool::Status {
         self.inner.status()

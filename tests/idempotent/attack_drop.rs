@@ -1,8 +1,7 @@
 //! A hostile pass on local mode's hold after a body's own `COMMIT` (drop
 //! guard, hold on the call's own connection). Effects, records and runs are
 //! counted in the database or the body. Each `found_` test failed when
-//! written; "Fixed" says how it passes now, and the one still open is
-//! ignored with its reason.
+//! written; "Fixed" says how it passes now.
 
 use super::attack_hold::commits_at_gate;
 use super::*;
@@ -583,8 +582,10 @@ async fn commits_then_writes(
 /// in `attack_hold::found_duplicates_queued_on_the_pool_run_before_the_hold`
 /// (fixed only for a connection still usable). What should happen: at most
 /// two runs; e.g. the fallback's checkout made before the slot is given up.
+/// Fixed: a transaction that loses its connection after its body's
+/// `COMMIT` keeps the pool slot, and the hold goes on a connection outside
+/// the pool (`Tx::keeps_a_lost_slot`) before the slot is given up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open defect (stop 37's note): the seal's closed connection frees its pool slot before the hold"]
 async fn found_duplicates_on_the_pool_run_when_the_body_writes_after_its_commit() {
     let env = env(2).await;
     let (runs, effects, seen) = four_on_one(&env, "writes-after", "write").await;

@@ -63,7 +63,15 @@ impl Tx {
     pub(crate) fn discard(&mut self) {
         self.close_watches();
         if let Some(conn) = self.conn.take() {
-            drop(Object::take(conn));
+            // After the body committed by hand, with something to write for
+            // it (see `Tx::after_body_commit`): closed, its slot kept.
+            let committed = super::ended::committed_since(conn.wire(), self.begun);
+            if self.after_body_commit.is_some() && committed {
+                conn.wire().sever();
+                self.lost = Some(conn);
+            } else {
+                drop(Object::take(conn));
+            }
         }
         self.open = false;
     }
@@ -114,6 +122,9 @@ impl Drop for Tx {
         self.close_watches();
         if self.hand_off_after_body_commit() {
             return;
+        }
+        if let Some(lost) = self.lost.take() {
+            drop(Object::take(lost));
         }
         // A connection goes back to the pool unguarded, whatever the path.
         self.unguard();

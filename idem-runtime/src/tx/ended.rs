@@ -61,7 +61,7 @@ impl EndWatch {
 pub(crate) type AfterBodyCommit =
     Box<dyn FnOnce(Tx) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 
-fn committed_since(wire: &Wire, begun: Marks) -> bool {
+pub(super) fn committed_since(wire: &Wire, begun: Marks) -> bool {
     wire.marks().since(begun) == Some(true) || wire.unanswered_may_commit()
 }
 
@@ -112,12 +112,21 @@ impl Tx {
         self.after_body_commit = None;
     }
 
+    /// Whether the transaction lost its connection after its body committed
+    /// by hand, and keeps its pool slot taken: what follows the body's
+    /// commit is then written on a connection outside the pool
+    /// ([`crate::pool::Pool::connect_outside`]), before the callers queued
+    /// on the pool get the slot. (A body that writes after its own
+    /// `COMMIT` loses its connection that way: see `Wire::guard`.)
+    pub(crate) fn keeps_a_lost_slot(&self) -> bool {
+        self.lost.is_some()
+    }
+
     /// See [`Tx::after_body_commit`]: whether this drop handed the
     /// transaction on.
     pub(super) fn hand_off_after_body_commit(&mut self) -> bool {
-        let committed = self
-            .wire()
-            .is_some_and(|wire| committed_since(wire, self.begun));
+        let wire = self.wire().or(self.lost.as_ref().map(|c| c.wire()));
+        let committed = wire.is_some_and(|wire| committed_since(wire, self.begun));
         // Open (the call dropped before idem rolled back), or not (dropped
         // while `then`'s own statement was in flight: a prepare that never
         // got to run it, say).
@@ -142,6 +151,7 @@ impl Tx {
             opened: None,
             end_state: self.end_state.take(),
             after_body_commit: None,
+            lost: self.lost.take(),
         };
         self.open = false;
         runtime.spawn(then(tx));

@@ -76,6 +76,10 @@ pub(crate) struct Tx {
     end_state: Option<Arc<EndState>>,
     /// See [`Tx::after_body_commit`].
     after_body_commit: Option<AfterBodyCommit>,
+    /// A connection lost after the body committed by hand, closed, its
+    /// pool slot kept until the transaction is dropped (see
+    /// [`Tx::keeps_a_lost_slot`]).
+    lost: Option<PooledConnection>,
 }
 
 /// How a `COMMIT` ended, when it did not commit for certain.
@@ -137,6 +141,7 @@ impl Tx {
             opened: None,
             end_state: None,
             after_body_commit: None,
+            lost: None,
         };
         // From here, whether BEGIN ran is not known until it is answered: a
         // drop closes the connection.

@@ -28,11 +28,12 @@ pub(super) async fn hold_unknown(
 ) {
     let statement = request.hold_unknown();
     let started = Instant::now();
-    let on_its_own = match ended {
+    let mut ended = ended;
+    let on_its_own = match ended.as_mut() {
         // Dropped before this is answered, the transaction writes it again
         // on its connection (see `after_body_commit`), its pool slot given
         // up only then.
-        Some(mut tx) => {
+        Some(tx) => {
             let held = tx.run_alone(timeout, statement).await;
             tx.done_after_body_commit();
             held
@@ -43,22 +44,38 @@ pub(super) async fn hold_unknown(
     let held = match on_its_own {
         Some(Ok(written)) => Ok(written),
         // Failed there (its connection lost after the body's `COMMIT`, say):
-        // through the pool, in what is left of `timeout`. Had the first
-        // written it after all, the second finds it and writes nothing.
+        // elsewhere, in what is left of `timeout`. Had the first written it
+        // after all, the second finds it and writes nothing.
         not_there => {
             if let Some(Err(e)) = not_there {
                 tracing::debug!(key, error = %e, "the hold on the call's own connection failed");
             }
-            match timeout.checked_sub(started.elapsed()) {
-                Some(left) if !left.is_zero() => {
-                    bounded(pool, left, "idem.hold_unknown", statement)
-                        .await
-                        .map_err(|e| e.to_string())
-                }
-                _ => Err(format!("no answer within {timeout:?}")),
+            let left = || {
+                timeout
+                    .checked_sub(started.elapsed())
+                    .filter(|l| !l.is_zero())
+            };
+            // Its slot still taken, the callers queued on the pool come
+            // after a connection of its own.
+            let outside = match left().filter(|_| ended.as_ref().is_some_and(Tx::keeps_a_lost_slot))
+            {
+                Some(left) => outside(pool, left, statement).await,
+                None => Err("no connection of its own".to_owned()),
+            };
+            // Else, or refused there too (a session setting a pooler's
+            // server connection kept), through the pool; the slot given up
+            // first: on a pool of one, the checkout would wait for it.
+            drop(ended.take());
+            match (outside, left()) {
+                (Ok(written), _) => Ok(written),
+                (Err(_), Some(left)) => bounded(pool, left, "idem.hold_unknown", statement)
+                    .await
+                    .map_err(|e| e.to_string()),
+                (Err(_), None) => Err(format!("no answer within {timeout:?}")),
             }
         }
     };
+    drop(ended);
     match held {
         Ok(1) => tracing::warn!(
             key,
@@ -124,6 +141,24 @@ impl Drop for Unheld {
             tracing::error!(key, "a call dropped after its body committed by hand: its runtime shut down before its key was held; a repeat will run it again");
         }
     }
+}
+
+/// Run `statement` on a connection outside the pool's slots, within
+/// `timeout` (see `Tx::keeps_a_lost_slot`).
+async fn outside<Q>(pool: &Pool, timeout: Duration, statement: Q) -> Result<usize, String>
+where
+    Q: diesel::query_builder::QueryFragment<diesel::pg::Pg> + diesel::query_builder::QueryId + Send,
+{
+    let write = async {
+        let mut conn = pool.connect_outside().await.map_err(|e| e.to_string())?;
+        statement
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    tokio::time::timeout(timeout, write)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")))
 }
 
 /// Run one statement of this call's settling (its external claim, or its
