@@ -29,15 +29,11 @@ pub(super) async fn hold_unknown(
     let statement = request.hold_unknown();
     let started = Instant::now();
     let mut ended = ended;
+    // Dropped before the hold is answered (here or outside the pool), the
+    // transaction writes it again (see `after_body_commit`), its pool slot
+    // given up only then; until `give_up`.
     let on_its_own = match ended.as_mut() {
-        // Dropped before this is answered, the transaction writes it again
-        // on its connection (see `after_body_commit`), its pool slot given
-        // up only then.
-        Some(tx) => {
-            let held = tx.run_alone(timeout, statement).await;
-            tx.done_after_body_commit();
-            held
-        }
+        Some(tx) => tx.run_alone(timeout, statement).await,
         None => None,
     };
     let key = request.key();
@@ -65,7 +61,7 @@ pub(super) async fn hold_unknown(
             // Else, or refused there too (a session setting a pooler's
             // server connection kept), through the pool; the slot given up
             // first: on a pool of one, the checkout would wait for it.
-            drop(ended.take());
+            give_up(&mut ended);
             match (outside, left()) {
                 (Ok(written), _) => Ok(written),
                 (Err(_), Some(left)) => bounded(pool, left, "idem.hold_unknown", statement)
@@ -75,7 +71,7 @@ pub(super) async fn hold_unknown(
             }
         }
     };
-    drop(ended);
+    give_up(&mut ended);
     match held {
         Ok(1) => tracing::warn!(
             key,
@@ -88,6 +84,14 @@ pub(super) async fn hold_unknown(
         Err(e) => {
             tracing::error!(key, error = %e, "the body committed by hand, and its key could not be held as outcome unknown: a repeat will run it again")
         }
+    }
+}
+
+/// The hold is answered (or written elsewhere): the transaction, and the
+/// pool slot it kept, go.
+fn give_up(ended: &mut Option<Tx>) {
+    if let Some(mut tx) = ended.take() {
+        tx.done_after_body_commit();
     }
 }
 
