@@ -1,10 +1,11 @@
 //! Local mode's key held as outcome unknown once a body committed by hand:
 //! its record rides on idem's own `COMMIT`, which never ran, so without
 //! the hold a repeat would run the body again. Held as soon as the call
-//! knows: on the attempt's own connection before callers waiting on the
-//! pool get it, else through the pool, or in a task of its own when the
-//! call was dropped first. And the bounded statement external mode settles
-//! its claim with.
+//! knows, and before callers waiting on the pool get the attempt's slot:
+//! on the attempt's own connection, or, that connection lost, on one
+//! outside the pool; else through the pool. A call dropped first hands its
+//! transaction to a task that does the same (`after_body_commit`). And the
+//! bounded statement external mode settles its claim with.
 
 use std::time::{Duration, Instant};
 
