@@ -123,25 +123,26 @@ impl Drop for Tx {
         if self.hand_off_after_body_commit() {
             return;
         }
-        if let Some(lost) = self.lost.take() {
-            drop(Object::take(lost));
-        }
         // A connection goes back to the pool unguarded, whatever the path.
         self.unguard();
-        if !self.open {
-            self.release_when_answered();
-        }
         if self.open {
             tracing::warn!("transaction dropped while open; closing its connection");
             // A call dropped (or a body that panicked) after swapping the
             // connection: the one in the slot is not idem's, and the one
             // taken away, wherever it is held, still has idem's transaction
             // open; both go, as on every other path (see `Tx::replaced`).
-            if !self.holds_its_session() {
+            if self.holds_its_session() {
+                self.cancel_and_discard();
+            } else {
                 self.replaced();
-                return;
             }
-            self.cancel_and_discard();
+        } else {
+            self.release_when_answered();
+        }
+        // Kept by `discard` (here too, with no runtime to hand off to): its
+        // slot goes now, the connection closed.
+        if let Some(lost) = self.lost.take() {
+            drop(Object::take(lost));
         }
     }
 }
