@@ -172,3 +172,42 @@ async fn a_held_external_claim_commit_is_claimed_again_within_the_commit_timeout
     );
     assert_eq!(env.effects("external").await, 1);
 }
+
+/// A local call dropped while idem's own `COMMIT` (its record riding with
+/// the body's writes) is held: the record and the body commit or roll back
+/// together, so nothing is held as outcome unknown for it. Here the drop's
+/// cancel (or, behind PgBouncer, the server's check of the closed client)
+/// rolls the held `COMMIT` back: the key is free, and a repeat runs once.
+/// Before, the drop held the key `unknown` with no effect behind it, for an
+/// operator to settle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dropped_during_its_own_commit_holds_nothing() {
+    let env = held_env().await;
+    let call = local_write(&env.pool, "held-dropped", "dropped");
+    // Long enough for the body, well before the 200 ms commit timeout.
+    let dropped = tokio::time::timeout(Duration::from_millis(120), call).await;
+    assert!(dropped.is_err(), "still waiting for COMMIT: {dropped:?}");
+    let begun: bool = env
+        .client
+        .query_one("SELECT is_called FROM held_commits", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(begun, "the drop came while the held COMMIT ran");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        env.effects("dropped").await,
+        0,
+        "rolled back with its record"
+    );
+    assert_eq!(env.record("held-dropped").await, None, "the key is free");
+    let again = local_write(&env.pool, "held-dropped", "dropped")
+        .await
+        .expect("runs");
+    assert!(!again.replayed);
+    assert_eq!(env.effects("dropped").await, 1);
+    assert_eq!(
+        env.state("held-dropped").await.as_deref(),
+        Some("completed")
+    );
+}

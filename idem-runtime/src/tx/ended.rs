@@ -28,9 +28,9 @@ pub(crate) struct EndWatch {
 /// What a transaction's watches share with it.
 #[derive(Default)]
 pub(crate) struct EndState {
-    /// The answer when the connection left the transaction: from then on
-    /// the wire is another user's (back in the pool), whose commits are
-    /// not this transaction's.
+    /// The answer when the connection left the transaction, or idem sent
+    /// its own `COMMIT`: from then on what commits is idem's, or another
+    /// user's (the connection back in the pool), not the body's.
     seen: OnceLock<bool>,
     /// Dropped after its body committed by hand, the transaction was handed
     /// to its [`AfterBodyCommit`] with its connection.
@@ -38,9 +38,9 @@ pub(crate) struct EndState {
 }
 
 impl EndWatch {
-    /// The transaction committed since `BEGIN` (idem's own `COMMIT` counts
-    /// too), or a request that may commit went unanswered, up to when the
-    /// connection left the transaction.
+    /// The transaction committed since `BEGIN`, or a request that may
+    /// commit went unanswered, up to when the connection left the
+    /// transaction or idem sent its own `COMMIT` (which does not count).
     pub(crate) fn committed(&self) -> bool {
         match self.state.seen.get() {
             Some(seen) => *seen,
@@ -89,7 +89,8 @@ impl Tx {
     }
 
     /// The connection leaves the transaction (back to the pool, or
-    /// closed): its watches keep what it did until now.
+    /// closed), or idem sends its own `COMMIT`: its watches keep what the
+    /// body did until now.
     pub(super) fn close_watches(&self) {
         if let (Some(state), Some(wire)) = (self.end_state.as_ref(), self.wire()) {
             let _ = state.seen.set(committed_since(wire, self.begun));

@@ -295,8 +295,12 @@ impl Tx {
     /// Send `COMMIT` (the transaction is known sound) and classify its end.
     async fn send_commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
         self.unguard();
-        // What commits from here is idem's own, not a body's.
+        // What commits from here is idem's own, not a body's: with the
+        // record riding on it, it commits or rolls back together with the
+        // body's writes, and a call dropped while it is in flight has
+        // nothing to hold (nor has one whose `COMMIT` goes unanswered).
         self.after_body_commit = None;
+        self.close_watches();
         let rollbacks = self.wire().map_or(0, Wire::rollbacks);
         let committed = tokio::time::timeout(
             timeout,
