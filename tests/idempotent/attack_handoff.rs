@@ -208,6 +208,38 @@ async fn attack_handoff_a_refused_outside_connection_falls_back_to_the_pool() {
     settled(&env, &pool, 2).await;
 }
 
+/// The hold's connection outside the pool never comes (the server stops
+/// accepting): after half of `commit_timeout_ms` the hold goes through the
+/// pool's idle connection instead, in what is left of that time. Before,
+/// the outside connection had all of it, and the hold was never written (a
+/// repeat ran the body again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_outside_connection_leaves_time_for_the_pool() {
+    let env = env(2).await;
+    if env.db.via().is_transaction_pooling() {
+        return;
+    }
+    let (url, mode) = proxy(&env).await;
+    let pool = direct_pool(&url, 2);
+    drop(futures_util::future::join_all([pool.get(), pool.get()]).await);
+    mode.store(STALL, Ordering::SeqCst);
+    let (key, runs) = ("stalled-outside", AtomicU32::new(0));
+    let started = Instant::now();
+    let first = writes_after(&pool, key, &Barrier::new(1), &runs).await;
+    let took = started.elapsed();
+    assert!(matches_idem(&first, "TransactionEnded"), "{first:?}");
+    assert!(
+        took < Duration::from_millis(4500),
+        "answered after {took:?}"
+    );
+    assert_eq!(held(&env, key).await.as_deref(), HELD);
+    let repeat = writes_after(&pool, key, &Barrier::new(1), &runs).await;
+    assert!(matches_idem(&repeat, "OutcomeUnknown"), "{repeat:?}");
+    assert_eq!((calls(&runs), env.effects(key).await), (1, 1));
+    mode.store(PASS, Ordering::SeqCst);
+    settled(&env, &pool, 2).await;
+}
+
 /// Effect, 50 ms, then as `kind`: 0 answers (idem commits), 1 `COMMIT` by
 /// hand, 2 `COMMIT` by hand and one more write.
 #[idempotent(key = key, fingerprint(key), scope = none)]

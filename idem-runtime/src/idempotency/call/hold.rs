@@ -53,10 +53,12 @@ pub(super) async fn hold_unknown(
                     .filter(|l| !l.is_zero())
             };
             // Its slot still taken, the callers queued on the pool come
-            // after a connection of its own.
+            // after a connection of its own; given half of what is left, so
+            // that a server that stopped accepting connections leaves the
+            // pool's idle ones time to take the hold.
             let outside = match left().filter(|_| ended.as_ref().is_some_and(Tx::keeps_a_lost_slot))
             {
-                Some(left) => outside(pool, left, statement).await,
+                Some(left) => outside(pool, left / 2, statement).await,
                 None => Err("no connection of its own".to_owned()),
             };
             // Else, or refused there too (a session setting a pooler's
