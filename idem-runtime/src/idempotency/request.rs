@@ -143,6 +143,7 @@ impl Request {
         HoldUnknown {
             identity: self.identity(),
             ttl_micros: micros(self.config.ttl),
+            owner: &self.owner,
         }
     }
 

@@ -460,11 +460,16 @@ pub(crate) const MARK_UNKNOWN: &str = "UPDATE idem_requests SET state = 'unknown
 /// claim is after an outside call may have run, until an operator settles
 /// it. A live record of the key (a duplicate that ran once the body's
 /// `COMMIT` released the advisory lock) is left as it is; an expired
-/// completed one is taken over.
+/// completed one is taken over. The hold carries the call's token as its
+/// owner, so that the same call holding again (dropped while its first hold
+/// was unanswered) finds its own hold and writes it once more, where the
+/// hold of another request is left alone: a hold that writes nothing means
+/// that request ran.
 #[derive(Clone, Copy)]
 pub(crate) struct HoldUnknown<'a> {
     pub(crate) identity: Identity<'a>,
     pub(crate) ttl_micros: i64,
+    pub(crate) owner: &'a [u8; 16],
 }
 
 impl QueryFragment<Pg> for HoldUnknown<'_> {
@@ -473,10 +478,15 @@ impl QueryFragment<Pg> for HoldUnknown<'_> {
         out.push_sql(Identity::COLUMNS);
         out.push_sql(", mode, state, owner, expires_at, lease_until) VALUES (");
         self.identity.push_values(&mut out)?;
-        out.push_sql(", 'local', 'unknown', NULL, now() + ");
+        out.push_sql(", 'local', 'unknown', ");
+        out.push_bind_param::<Binary, _>(&self.owner[..])?;
+        out.push_sql(", now() + ");
         out.push_bind_param::<BigInt, _>(&self.ttl_micros)?;
         out.push_sql(" * interval '1 microsecond', NULL)");
-        out.push_sql(take_over_expired!());
+        out.push_sql(concat!(
+            take_over_expired!(),
+            " OR (r.state = 'unknown' AND r.mode = 'local' AND r.owner = excluded.owner)"
+        ));
         Ok(())
     }
 }

@@ -124,7 +124,8 @@ pub struct KeyRecord {
     /// (in JSON, seconds or null).
     #[serde(serialize_with = "ser_opt_secs")]
     pub lease_left: Option<Duration>,
-    /// An external claim's owner token, hex.
+    /// The owner token, hex: an external claim's, or the call's that held a
+    /// local key after its body committed by hand.
     pub owner: Option<String>,
 }
 

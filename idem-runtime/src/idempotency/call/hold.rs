@@ -42,7 +42,7 @@ pub(super) async fn hold_unknown(
         Some(Ok(written)) => Ok(written),
         // Failed there (its connection lost after the body's `COMMIT`, say):
         // elsewhere, in what is left of `timeout`. Had the first written it
-        // after all, the second finds it and writes nothing.
+        // after all, the second finds it by its owner and writes it again.
         not_there => {
             if let Some(Err(e)) = not_there {
                 tracing::debug!(key, error = %e, "the hold on the call's own connection failed");
@@ -82,7 +82,7 @@ pub(super) async fn hold_unknown(
         ),
         Ok(_) => tracing::error!(
             key,
-            "the body committed by hand, and its key already had a live record (held once already, or another request of its key ran in the meantime)"
+            "the body committed by hand, and another request of its key ran in the meantime (once the body's COMMIT released the key's lock): its key already had a live record"
         ),
         Err(e) => {
             tracing::error!(key, error = %e, "the body committed by hand, and its key could not be held as outcome unknown: a repeat will run it again")

@@ -518,7 +518,8 @@ impl<E> Call<E> {
         } else if !request.external() && retry_loop.body_committed() {
             // Dropped before the hold is known written (its checkout or its
             // statement cancelled with the call), the call holds the key
-            // again from a task of its own; a second hold finds the first.
+            // again from a task of its own; a second hold finds the first by
+            // its owner (this call's token) and writes it again.
             self.holding = Some((watch, timeout));
             let ended = retry_loop.take_ended().and_then(Attempt::into_tx);
             hold::hold_unknown(pool, timeout, &self.request, ended).await;
