@@ -33,6 +33,7 @@ mod attack_hold;
 mod attack_savepoint;
 mod attack_seal;
 mod attack_session;
+mod attack_session38;
 mod attack_swap;
 mod attack_third;
 mod attack_unanswered;

@@ -13,6 +13,7 @@ use diesel_async::RunQueryDsl;
 use scoped_futures::ScopedFutureExt;
 
 use super::super::request::Request;
+use super::super::store::HoldUnknown;
 use crate::error::Error;
 use crate::pool::Pool;
 use crate::retry::{retry, RetryPolicy};
@@ -62,14 +63,10 @@ pub(super) async fn hold_unknown(
                 None => Err("no connection of its own".to_owned()),
             };
             // Else, or refused there too (a session setting a pooler's
-            // server connection kept), through the pool; the slot given up
-            // first: on a pool of one, the checkout would wait for it.
-            give_up(&mut ended);
+            // server connection kept), through the pool.
             match (outside, left()) {
                 (Ok(written), _) => Ok(written),
-                (Err(_), Some(left)) => bounded(pool, left, "idem.hold_unknown", statement)
-                    .await
-                    .map_err(|e| e.to_string()),
+                (Err(_), Some(left)) => through_the_pool(pool, left, &mut ended, statement).await,
                 (Err(_), None) => Err(format!("no answer within {timeout:?}")),
             }
         }
@@ -88,6 +85,37 @@ pub(super) async fn hold_unknown(
             tracing::error!(key, error = %e, "the body committed by hand, and its key could not be held as outcome unknown: a repeat will run it again")
         }
     }
+}
+
+/// The hold through the pool, within `left`. On a pool of more than one,
+/// first with the call's slot still taken, for half of `left`: the
+/// checkout then waits for a connection another caller returns, where in
+/// the freed slot it would make a new one (which a server that stopped
+/// accepting connections leaves stalled for all the time left). Then, as
+/// on a pool of one (whose checkout would wait for that slot), with the
+/// slot given up: two holds keeping theirs must not wait on each other.
+async fn through_the_pool(
+    pool: &Pool,
+    left: Duration,
+    ended: &mut Option<Tx>,
+    statement: HoldUnknown<'_>,
+) -> Result<usize, String> {
+    let started = Instant::now();
+    if ended.is_some() && pool.status().max_size > 1 {
+        // A write that went out before the time ran out is found again by
+        // the second, by its owner.
+        if let Ok(written) = bounded(pool, left / 2, "idem.hold_unknown", statement).await {
+            return Ok(written);
+        }
+    }
+    give_up(ended);
+    let rest = left.saturating_sub(started.elapsed());
+    if rest.is_zero() {
+        return Err(format!("no answer within {left:?}"));
+    }
+    bounded(pool, rest, "idem.hold_unknown", statement)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// The hold is answered (or written elsewhere): the transaction, and the
