@@ -326,6 +326,8 @@ fn below(n: u64) -> u64 {
 /// record, and a repeat runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack_drop_storm_of_random_drops_on_a_small_pool() {
+    let log = Log::default(); // for a failure's report (seen in 3 of 14 full runs)
+    let _ = tracing::subscriber::set_global_default(log.subscriber());
     let env = env(2).await;
     let keys: Vec<String> = (0..32).map(|i| format!("storm-{i}")).collect();
     let (mut plans, mut calls) = (Vec::new(), Vec::new());
@@ -372,7 +374,8 @@ async fn attack_drop_storm_of_random_drops_on_a_small_pool() {
         };
         if !fine {
             let seen = format!("{record:?}; repeat {repeat:?}, effects {after}");
-            bad.push(format!("{key}: effects {effects}, {seen}"));
+            let log = log.lines(key, "");
+            bad.push(format!("{key}: effects {effects}, {seen}; {log:?}"));
         }
     }
     let report = format!(
@@ -398,12 +401,10 @@ impl std::io::Write for Log {
 }
 
 impl Log {
-    /// The `ERROR` lines naming `key`.
-    fn errors(&self, key: &str) -> Vec<String> {
+    /// The lines naming `key` and containing `with` (" ERROR ", say).
+    fn lines(&self, key: &str, with: &str) -> Vec<String> {
         let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
-        let lines = text
-            .lines()
-            .filter(|l| l.contains(" ERROR ") && l.contains(key));
+        let lines = text.lines().filter(|l| l.contains(key) && l.contains(with));
         lines.map(str::to_owned).collect()
     }
 
@@ -464,7 +465,7 @@ async fn found_a_hold_lost_with_its_runtime_is_not_logged() {
     let (committed, runs) = (Notify::new(), AtomicU32::new(1));
     let repeat = commits_then(&env.pool, key, 1, &committed, &runs).await;
     let effects = env.effects(key).await;
-    let errors = log.errors(key);
+    let errors = log.lines(key, " ERROR ");
     let seen =
         format!("record {record:?}; repeat {repeat:?}, effects {effects}; errors {errors:?}");
     assert!(record.is_some() || !errors.is_empty(), "{seen}");
@@ -493,7 +494,7 @@ async fn attack_drop_outside_a_runtime_is_logged() {
         tracing::subscriber::with_default(subscriber, || drop(call));
     });
     dropped.join().unwrap();
-    assert_eq!(log.errors(key).len(), 1, "{:?}", log.0);
+    assert_eq!(log.lines(key, " ERROR ").len(), 1, "{:?}", log.0);
     assert_eq!(held(&env, key).await, None);
     let (committed, runs) = (Notify::new(), AtomicU32::new(1));
     let again = commits_then(&env.pool, key, 1, &committed, &runs).await;
