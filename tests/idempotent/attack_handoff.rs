@@ -178,6 +178,33 @@ async fn found_a_call_dropped_while_its_hold_connects_outside_frees_its_slot() {
     assert_eq!((runs, effects), (1, 1), "duplicate: {answer}");
 }
 
+/// A pool of two through the proxy, both connections made, then new ones
+/// treated as `fault` says: a body that writes after its own `COMMIT`
+/// (losing its connection) is answered within `within_ms`, its key held
+/// (through the pool's idle connection), a repeat refused, one effect, and
+/// no slot kept.
+async fn falls_back_to_the_pool(env: &Env, fault: u8, key: &str, within_ms: u64) {
+    let (url, mode) = proxy(env).await;
+    let pool = direct_pool(&url, 2);
+    drop(futures_util::future::join_all([pool.get(), pool.get()]).await);
+    mode.store(fault, Ordering::SeqCst);
+    let runs = AtomicU32::new(0);
+    let started = Instant::now();
+    let first = writes_after(&pool, key, &Barrier::new(1), &runs).await;
+    let took = started.elapsed();
+    assert!(matches_idem(&first, "TransactionEnded"), "{first:?}");
+    assert!(
+        took < Duration::from_millis(within_ms),
+        "answered after {took:?}"
+    );
+    assert_eq!(held(env, key).await.as_deref(), HELD);
+    let repeat = writes_after(&pool, key, &Barrier::new(1), &runs).await;
+    assert!(matches_idem(&repeat, "OutcomeUnknown"), "{repeat:?}");
+    assert_eq!((calls(&runs), env.effects(key).await), (1, 1));
+    mode.store(PASS, Ordering::SeqCst);
+    settled(env, &pool, 2).await;
+}
+
 /// The hold's connection outside the pool refused (the server takes no new
 /// connection): written through the pool's idle connection instead, the
 /// call answered within `commit_timeout_ms`, no slot kept.
@@ -187,25 +214,7 @@ async fn attack_handoff_a_refused_outside_connection_falls_back_to_the_pool() {
     if env.db.via().is_transaction_pooling() {
         return;
     }
-    let (url, mode) = proxy(&env).await;
-    let pool = direct_pool(&url, 2);
-    drop(futures_util::future::join_all([pool.get(), pool.get()]).await);
-    mode.store(REFUSE, Ordering::SeqCst);
-    let (key, runs) = ("refused-outside", AtomicU32::new(0));
-    let started = Instant::now();
-    let first = writes_after(&pool, key, &Barrier::new(1), &runs).await;
-    let took = started.elapsed();
-    assert!(matches_idem(&first, "TransactionEnded"), "{first:?}");
-    assert!(
-        took < Duration::from_millis(4000),
-        "answered after {took:?}"
-    );
-    assert_eq!(held(&env, key).await.as_deref(), HELD);
-    let repeat = writes_after(&pool, key, &Barrier::new(1), &runs).await;
-    assert!(matches_idem(&repeat, "OutcomeUnknown"), "{repeat:?}");
-    assert_eq!((calls(&runs), env.effects(key).await), (1, 1));
-    mode.store(PASS, Ordering::SeqCst);
-    settled(&env, &pool, 2).await;
+    falls_back_to_the_pool(&env, REFUSE, "refused-outside", 4000).await;
 }
 
 /// The hold's connection outside the pool never comes (the server stops
@@ -219,25 +228,7 @@ async fn a_stalled_outside_connection_leaves_time_for_the_pool() {
     if env.db.via().is_transaction_pooling() {
         return;
     }
-    let (url, mode) = proxy(&env).await;
-    let pool = direct_pool(&url, 2);
-    drop(futures_util::future::join_all([pool.get(), pool.get()]).await);
-    mode.store(STALL, Ordering::SeqCst);
-    let (key, runs) = ("stalled-outside", AtomicU32::new(0));
-    let started = Instant::now();
-    let first = writes_after(&pool, key, &Barrier::new(1), &runs).await;
-    let took = started.elapsed();
-    assert!(matches_idem(&first, "TransactionEnded"), "{first:?}");
-    assert!(
-        took < Duration::from_millis(4500),
-        "answered after {took:?}"
-    );
-    assert_eq!(held(&env, key).await.as_deref(), HELD);
-    let repeat = writes_after(&pool, key, &Barrier::new(1), &runs).await;
-    assert!(matches_idem(&repeat, "OutcomeUnknown"), "{repeat:?}");
-    assert_eq!((calls(&runs), env.effects(key).await), (1, 1));
-    mode.store(PASS, Ordering::SeqCst);
-    settled(&env, &pool, 2).await;
+    falls_back_to_the_pool(&env, STALL, "stalled-outside", 4500).await;
 }
 
 /// Effect, 50 ms, then as `kind`: 0 answers (idem commits), 1 `COMMIT` by
