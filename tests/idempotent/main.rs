@@ -49,6 +49,7 @@ mod literals;
 mod local;
 mod malformed;
 mod one_write;
+mod queued_commit;
 mod retention;
 mod stacking;
 mod stored;

@@ -69,6 +69,9 @@ pub(crate) struct Wire {
     severed: AtomicBool,
     /// Who waits for the socket to be readable, to be woken by a sever.
     reader: Mutex<Option<Waker>>,
+    /// Held by the stream through each write and its count in `state`
+    /// (see [`Wire::sever`]).
+    writing: Mutex<()>,
     /// The connection keeps its session's prepared statements (not behind a
     /// transaction pooler).
     session_statements: bool,

@@ -119,6 +119,7 @@ fn cancel(token: tokio_postgres::CancelToken) {
 
 impl Drop for Tx {
     fn drop(&mut self) {
+        self.stop_writing_unless_committed();
         self.close_watches();
         if self.hand_off_after_body_commit() {
             return;

@@ -92,7 +92,8 @@ impl Tx {
     /// closed), or idem sends its own `COMMIT`: its watches keep what the
     /// body did until now.
     pub(super) fn close_watches(&self) {
-        if let (Some(state), Some(wire)) = (self.end_state.as_ref(), self.wire()) {
+        let wire = self.wire().or(self.lost.as_ref().map(|c| c.wire()));
+        if let (Some(state), Some(wire)) = (self.end_state.as_ref(), wire) {
             let _ = state.seen.set(committed_since(wire, self.begun));
         }
     }
@@ -121,6 +122,28 @@ impl Tx {
     /// `COMMIT` loses its connection that way: see `Wire::guard`.)
     pub(crate) fn keeps_a_lost_slot(&self) -> bool {
         self.lost.is_some()
+    }
+
+    /// A transaction dropped open (its call dropped, or its body
+    /// panicked): a request the body queued just before may still be on its
+    /// way to the socket (tokio-postgres hands it to the connection's driver
+    /// task, which can write it on another thread after this drop looked).
+    /// Unless the wire already says the body committed, nothing more is
+    /// written (the connection is closing anyway), so that what it says
+    /// next is final. A `COMMIT` that got out meanwhile: discarded, which
+    /// keeps its slot for what follows the body's commit (see
+    /// [`Tx::discard`]).
+    pub(super) fn stop_writing_unless_committed(&mut self) {
+        let Some(conn) = self.conn.as_ref() else {
+            return;
+        };
+        if !self.open || !conn.holds_its_session() || committed_since(conn.wire(), self.begun) {
+            return;
+        }
+        conn.wire().sever();
+        if self.after_body_commit.is_some() && committed_since(conn.wire(), self.begun) {
+            self.discard();
+        }
     }
 
     /// See [`Tx::after_body_commit`]: whether this drop handed the

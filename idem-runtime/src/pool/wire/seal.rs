@@ -3,6 +3,7 @@
 //! is closed from outside its driver ([`Wire::sever`]).
 
 use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
 use std::task::Waker;
 
 use super::{Marks, State, Wire};
@@ -42,12 +43,24 @@ impl Wire {
     /// [`crate::pool`]'s identity check): idem's transaction, open on it,
     /// and its locks end with it, wherever it is now held, even idle in a
     /// pool's queue.
+    ///
+    /// Once this returns, what the wire says of the requests sent is final:
+    /// a write the driver has under way on another thread (a request the
+    /// body queued in tokio-postgres before it was dropped, a `COMMIT`
+    /// say) is finished and counted first, and none starts after.
     pub(crate) fn sever(&self) {
+        let writing = self.writing();
         self.severed.store(true, Ordering::Release);
+        drop(writing);
         let waiting = self.reader.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(waker) = waiting {
             waker.wake();
         }
+    }
+
+    /// Held through a write and its count: see [`Wire::sever`].
+    pub(super) fn writing(&self) -> MutexGuard<'_, ()> {
+        self.writing.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(super) fn severed(&self) -> bool {

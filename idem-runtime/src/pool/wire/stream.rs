@@ -277,6 +277,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        // Through the write and its count, so that a sever from another
+        // thread (a transaction dropped as the driver writes) sees both or
+        // neither.
+        let wire = this.wire.clone();
+        let _writing = wire.writing();
         if let Err(e) = ready!(this.poll_owed(cx)) {
             return Poll::Ready(Err(e));
         }
