@@ -34,6 +34,7 @@ mod attack_savepoint;
 mod attack_seal;
 mod attack_session;
 mod attack_session38;
+mod attack_session39;
 mod attack_swap;
 mod attack_third;
 mod attack_unanswered;
