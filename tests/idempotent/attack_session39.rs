@@ -321,24 +321,14 @@ async fn dropped_with_a_queued_end_holds_exactly_what_committed() {
     all(&env, &env.pool, &ms).await;
 }
 
-/// Seen: a call dropped (caller gave up, or the body panicked) with its
-/// body's `ROLLBACK; INSERT ..` queued (one request), or `ROLLBACK` and an
-/// INSERT queued as two: the INSERT runs after the `ROLLBACK`, outside any
-/// transaction, and commits; no record is written, the repeat runs the
-/// body again. Pool of one, test's task: 10-15/25 panics, 14-21/25 drops;
-/// pool of two, spawned: 5-12/25 drops; two requests 1-5/15 drops; also on
-/// a current-thread runtime (5/10), and via PgBouncer. The same body
-/// *returning* gets `TransactionEnded { committed: true }`, key held.
-/// Should: the key held as outcome unknown (docs/retryable.md counts "a
-/// statement sent in the same request as its end, after it, outside any
-/// transaction" as committed; docs/idempotent.md then holds the key).
-/// Suspected: the drop's decision after the sever
-/// (`Tx::stop_writing_unless_committed`) looks for a `COMMIT`-like text
-/// gone out or an answer saying committed; a `ROLLBACK` written with
-/// statements (or a request) behind it, unanswered, is taken for "nothing
-/// committed" instead of "may have committed".
+/// Found (fixed in session 40): a call dropped (caller gave up, or the
+/// body panicked) with its body's `ROLLBACK; INSERT ..` queued (one
+/// request), or `ROLLBACK` and an INSERT queued as two: the INSERT ran
+/// outside any transaction and committed, no key was held, and the repeat
+/// ran the body again (pool of one: 10-21 of 25). Now a statement after a
+/// `ROLLBACK` in the same text, or a request behind an unanswered one,
+/// counts as may-commit (`Says`, `Wire::unanswered_may_commit`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open defect (stop 39 note, 1): an unanswered ROLLBACK with a write behind it is not counted as may-commit at a drop"]
 async fn found_a_dropped_call_whose_rollback_had_a_write_behind_it_holds_nothing() {
     let env = env(2).await;
     let one = pool_of(&env.db, 1);
@@ -364,22 +354,13 @@ async fn found_a_dropped_call_whose_rollback_had_a_write_behind_it_holds_nothing
     ]);
 }
 
-/// Seen: a body that queues its own `COMMIT` (or `ROLLBACK; INSERT ..`)
-/// without awaiting it and returns a final error (a decline): the decline
-/// is stored as the key's completed outcome while the effect committed;
-/// every repeat is told "declined" although the effect is there. Local
-/// mode 1-8 of 10 per spelling (a race), external (phase 3) 10 of 10,
-/// direct and via PgBouncer. With the end awaited the key is held.
-/// Should: no decline stored over a committed effect, the key held
-/// (docs/retryable.md: "nor is a final error it returns stored as the
-/// key's outcome", also when the body "stopped waiting for its end's
-/// answer").
-/// Suspected: the error path decides from the wire as it stands when the
-/// body returns; a `COMMIT` still in tokio-postgres's queue is not seen,
-/// idem's `ROLLBACK` goes behind it (answered with a warning, no error)
-/// and the decline is stored in a transaction after the body's commit.
+/// Found (fixed in session 40): a body that queues its own `COMMIT` (or
+/// `ROLLBACK; INSERT ..`) without awaiting it and returns a final error:
+/// the decline was stored as the key's outcome while the effect committed
+/// (local 1-8 of 10, external 10 of 10). The loop read the wire before the
+/// queued end was written; now it reads it from the answer to its own
+/// `ROLLBACK`, queued behind it (`Tx::roll_back_reading`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open defect (stop 39 note, 2): the error path reads the wire before a queued COMMIT is written"]
 async fn found_a_decline_is_stored_over_a_queued_commit() {
     let env = env(2).await;
     let ms = [
@@ -390,37 +371,26 @@ async fn found_a_decline_is_stored_over_a_queued_commit() {
     all(&env, &env.pool, &ms).await;
 }
 
-/// Seen: external mode, a body whose phase-3 transaction queued its own
-/// `COMMIT` (or `ROLLBACK; INSERT ..`) and then returned an error that
-/// says nothing was sent (`IdempotentError::nothing_sent`): the key is
-/// released (no record) while the effect committed; the repeat runs the
-/// body again (two effects). 10 of 10 in each of five runs.
-/// Should: the key kept held (with the end awaited it is).
-/// Suspected: as above, the release reads the wire before the queued end
-/// went out or was answered; nothing makes it wait for the queue.
+/// Found (fixed in session 40): external mode, a phase-3 body that queued
+/// its own `COMMIT` (or `ROLLBACK; INSERT ..`) and returned a
+/// `nothing_sent` error: the key was released while the effect committed,
+/// and the repeat ran the body again (10 of 10). Same cause and fix as
+/// above; `Call::end` never releases a key whose body committed by hand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open defect (stop 39 note, 3): the release does not wait for a queued COMMIT"]
 async fn found_external_nothing_sent_releases_a_key_its_queued_commit_committed() {
     let env = env(2).await;
     let ms = [Mx("fc", V::Ext, SIMPLE, COMMITS, &[INVALID], 10, true)];
     all(&env, &env.pool, &ms).await;
 }
 
-/// Seen: the body's own `COMMIT` (or `ROLLBACK`) awaited and answered,
-/// then an INSERT queued (its future polled once) and the body returns
-/// (`Ok` or an error: 15/15), panics (1-11/15) or is dropped (1-9/15): the
-/// INSERT reaches the server and commits on its own, outside any
-/// transaction; also in a plain `#[retryable]` call (awaited, the INSERT
-/// is refused). Local mode holds the key, so no repeat runs twice; after a
-/// `ROLLBACK` idem answers `TransactionEnded { committed: false }` anyway.
-/// Should: nothing the body sends after the server said the transaction
-/// ended goes out (docs/retryable.md, "Transaction control is idem's").
-/// Suspected: the refusal is checked when the body makes its next call,
-/// not where the driver writes a request already queued; or idem lets the
-/// wire write again for its own `ROLLBACK` / hold on that connection, and
-/// the body's request, ahead of them in tokio-postgres's queue, goes first.
+/// Found (fixed in session 40): the body's own `COMMIT` (or `ROLLBACK`)
+/// awaited, then an INSERT queued (polled once) and the body returns,
+/// panics or is dropped: the INSERT reached the server and committed on
+/// its own (up to 15 of 15), also in a plain `#[retryable]` call. idem
+/// lifted the seal for its own `ROLLBACK`, and the queued INSERT went
+/// first; the seal now stays up through idem's end (a lone `ROLLBACK`
+/// passes it), and a connection closed keeps it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open defect (stop 39 note, 4): the seal is lifted for idem's own ROLLBACK before a queued write is refused"]
 async fn found_a_write_queued_after_the_bodys_answered_end_runs() {
     let env = env(2).await;
     let ends = &[OK, PLAIN, PANIC, HANG];
@@ -493,22 +463,14 @@ async fn queued_ends_on_a_pool_of_one_in_the_main_task() {
     all(&env, &one, &ms).await;
 }
 
-/// Seen: a body that queues its own `ROLLBACK` (future polled once) and
-/// returns `Ok`, on a pool of one, in the test's task: the call answers
-/// `RolledBack` ("nothing was committed"), the effect is rolled back, but
-/// the key's record is committed `completed`/`ok`, so every repeat is
-/// replayed the result of an effect that never happened: 0-10 of 15-20
-/// per run (every `RolledBack` answer), `ROLLBACK AND CHAIN` 0-10/20,
-/// direct and via PgBouncer; never seen on a pool of two, spawned.
-/// Should: no record (the repeat runs once), or at worst a hold.
-/// Suspected: idem's `COMMIT`, with the record's INSERT riding on it, is
-/// written behind the body's `ROLLBACK`, which was still unanswered; the
-/// server runs the INSERT outside any transaction (it commits on its own)
-/// and idem takes the `ROLLBACK` tag of the body's request for its own
-/// `COMMIT`'s answer ("a COMMIT the server answers ROLLBACK"). The wire
-/// should not send the record while an end of the body's is in flight.
+/// Found (fixed in session 40): a body that queues its own `ROLLBACK`
+/// (polled once) and returns `Ok`, pool of one, test's task: idem's
+/// `COMMIT`, with the record's INSERT riding on it, went out behind the
+/// unanswered `ROLLBACK`; the INSERT committed on its own, and every
+/// repeat was replayed an `Ok` whose effect never happened (up to 10 of
+/// 20). The seal now closes once an end is sent, and idem's `COMMIT` is
+/// withheld behind it (`Wire::withheld`): `TransactionEnded`, no record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open defect (stop 39 note, 5): the record rides behind an unanswered ROLLBACK of the body"]
 async fn found_a_queued_rollback_then_ok_commits_an_ok_record_without_its_effect() {
     let env = env(2).await;
     let one = pool_of(&env.db, 1);

@@ -45,6 +45,7 @@ mod ride;
 mod says;
 mod seal;
 mod stream;
+mod unanswered;
 
 pub(crate) use ride::{Answer, MalformedRow, Row};
 use says::Says;
@@ -101,6 +102,16 @@ impl Marks {
         let committed = self.commits > earlier.commits;
         (ended || committed).then_some(committed)
     }
+
+    /// The marks as they stood before the answer to a lone `ROLLBACK` that
+    /// was the last request answered: it counts one idle status, and
+    /// nothing else, whether a transaction was open or not.
+    pub(crate) fn before_a_lone_rollback(self) -> Marks {
+        Marks {
+            idles: self.idles.saturating_sub(1),
+            ..self
+        }
+    }
 }
 
 /// A statement the server refused: its SQLSTATE, and how long it ran.
@@ -121,6 +132,12 @@ struct Sent {
     /// Whether a statement it runs may commit (see
     /// [`Wire::unanswered_may_commit`]).
     commit: bool,
+    /// Whether a statement it runs ends the transaction (see
+    /// [`Wire::guard`]).
+    ends: bool,
+    /// Whether it runs nothing but `ROLLBACK`s: it writes nothing, even
+    /// outside a transaction.
+    rollback_only: bool,
 }
 
 #[derive(Debug, Default)]
@@ -172,6 +189,8 @@ struct State {
     /// The transaction control when a body was handed the connection
     /// ([`Wire::guard`]).
     guard: Option<Marks>,
+    /// The seal refused a write ([`Wire::withheld`]).
+    withheld: bool,
 }
 
 /// SQLSTATE `invalid_sql_statement_name`: a `Bind` (or `EXECUTE`) of a
@@ -342,51 +361,6 @@ impl Wire {
         matches!(self.state().status, b'T' | b'E')
     }
 
-    /// Wait up to `within` for every request sent to be answered (or the
-    /// connection to end); false when one still runs then.
-    pub(crate) async fn settled(&self, within: Duration) -> bool {
-        // Almost always so at once (a checkout, a commit): the wait, with its
-        // timer, is boxed so as not to sit inline in every caller's future.
-        if self.answered() {
-            return true;
-        }
-        Box::pin(self.answered_within(within)).await
-    }
-
-    /// Whether a request still unanswered may commit the transaction (a
-    /// `COMMIT` whose future the body dropped, say): idem's cancel and
-    /// close, which roll back what is still running, may come after the
-    /// server ran it. Such a request counts as committed.
-    pub(crate) fn unanswered_may_commit(&self) -> bool {
-        self.state().sent.iter().any(|sent| sent.commit)
-    }
-
-    /// Whether a request sent is unanswered on a connection still open:
-    /// the server may still be running it.
-    pub(crate) fn running(&self) -> bool {
-        !self.answered()
-    }
-
-    /// Every request sent has its answer (or the connection ended).
-    fn answered(&self) -> bool {
-        let state = self.state();
-        state.closed || state.sent.is_empty()
-    }
-
-    /// See [`Wire::settled`].
-    async fn answered_within(&self, within: Duration) -> bool {
-        let until = tokio::time::Instant::now() + within;
-        loop {
-            let notified = self.answered.notified();
-            if self.answered() {
-                return true;
-            }
-            if tokio::time::timeout_at(until, notified).await.is_err() {
-                return false;
-            }
-        }
-    }
-
     /// `requests` were written; `rewritten`: they are a ride's unit.
     ///
     /// `at`: when their write began. Taken before the write, never after:
@@ -403,7 +377,14 @@ impl Wire {
             at,
             chained: says.chain,
             commit: says.commit,
+            ends: says.ends,
+            rollback_only: says.rollback_only,
         }));
+        // An end sent seals at once: what is written behind it, before its
+        // answer, would run outside the transaction.
+        if state.guard.is_some() {
+            self.reseal(&state);
+        }
     }
 
     fn on_error(&self, code: [u8; 5], fatal: bool) {

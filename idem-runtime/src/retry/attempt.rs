@@ -22,7 +22,9 @@ use deadpool::managed::TimeoutType;
 use super::{Isolation, RetryCause, Transient};
 use crate::error::Error;
 use crate::pool::{Pool, PoolError};
-use crate::tx::{Closing, CommitFailure, Last, Opening as First, Render, Session, Timeouts, Tx};
+use crate::tx::{
+    Closing, CommitFailure, Last, Opening as First, Render, RolledBack, Session, Timeouts, Tx,
+};
 
 /// How an attempt begins its transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,8 +228,9 @@ impl Attempt {
     /// Whether the body ended (or began) a transaction itself, once what it
     /// sent is answered (up to the commit timeout; see
     /// [`Tx::ended_by_body_settled`]); `Some(true)` when it committed what
-    /// it had written. What a body that returned an error, or a step back
-    /// to the loop, is decided on.
+    /// it had written. An early look, before idem's `ROLLBACK`: a request
+    /// the body queued may not be on the wire yet (see
+    /// [`Attempt::roll_back_reading`], which decides).
     pub(crate) async fn ended_by_body_settled(&self) -> Option<bool> {
         match &self.tx {
             Some(tx) => tx.ended_by_body_settled(self.commit_timeout).await,
@@ -248,6 +251,20 @@ impl Attempt {
         match self.tx.as_mut() {
             Some(tx) => tx.roll_back(self.commit_timeout).await,
             None => false,
+        }
+    }
+
+    /// Roll back, and read where the body had left the transaction once
+    /// everything it sent or queued is answered (see
+    /// [`Tx::roll_back_reading`]): what a body that returned an error, or
+    /// a step back to the loop, is decided on.
+    pub(crate) async fn roll_back_reading(&mut self) -> RolledBack {
+        match self.tx.as_mut() {
+            Some(tx) => tx.roll_back_reading(self.commit_timeout).await,
+            None => RolledBack {
+                lost: false,
+                ended: None,
+            },
         }
     }
 

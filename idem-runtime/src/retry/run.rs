@@ -375,11 +375,15 @@ impl<'p> RetryLoop<'p> {
                 // A decline to store, or a repeat idem asks for, after the
                 // body ended the transaction itself: what it committed by
                 // hand must not be written again, nor a decline stored.
-                if let Some(committed) = attempt.ended_by_body_settled().await {
-                    attempt.roll_back().instrument(self.span.clone()).await;
+                // Read once idem's `ROLLBACK`, queued behind all the body
+                // sent, is answered.
+                let rolled = attempt
+                    .roll_back_reading()
+                    .instrument(self.span.clone())
+                    .await;
+                if let Some(committed) = rolled.ended {
                     return self.ended_by_body(committed, attempt);
                 }
-                attempt.roll_back().await;
                 // Not a failure: the attempt is not charged to the budget. A
                 // wait (`after` > 0) is bounded by whoever asks for it; an
                 // immediate repeat is bounded here, so no condition that
@@ -429,14 +433,18 @@ impl<'p> RetryLoop<'p> {
                 // What failed on the attempt decides, not the error the body
                 // chose to return: a dead transaction is replayed whatever
                 // the body made of its error.
-                if let Some(committed) = attempt.ended_by_body_settled().await {
+                let observed = attempt.failure_cause().or_else(|| self.conflict.take());
+                let rolled = attempt
+                    .roll_back_reading()
+                    .instrument(self.span.clone())
+                    .await;
+                if let Some(committed) = rolled.ended {
                     // What the body committed by hand must not be written again.
-                    attempt.roll_back().instrument(self.span.clone()).await;
                     return self.ended_by_body(committed, attempt);
                 }
-                let observed = attempt.failure_cause().or_else(|| self.conflict.take());
-                let lost = attempt.roll_back().instrument(self.span.clone()).await;
-                let observed = observed.or(lost.then_some(RetryCause::ConnectionLost));
+                // A request the body had queued may have failed since.
+                let observed = observed.or_else(|| attempt.failure_cause());
+                let observed = observed.or(rolled.lost.then_some(RetryCause::ConnectionLost));
                 match observed {
                     Some(cause) if self.policy.replays(cause) => cause,
                     _ => return self.done(Err(err), "failed"),

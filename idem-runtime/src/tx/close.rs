@@ -124,8 +124,6 @@ impl Drop for Tx {
         if self.hand_off_after_body_commit() {
             return;
         }
-        // A connection goes back to the pool unguarded, whatever the path.
-        self.unguard();
         if self.open {
             tracing::warn!("transaction dropped while open; closing its connection");
             // A call dropped (or a body that panicked) after swapping the
@@ -138,6 +136,10 @@ impl Drop for Tx {
                 self.replaced();
             }
         } else {
+            // Back to the pool, unguarded. A connection closed keeps its
+            // guard: what the body queued behind its own end is not
+            // written while it closes (see `Wire::guard`).
+            self.unguard();
             self.release_when_answered();
         }
         // Kept by `discard` (here too, with no runtime to hand off to): its

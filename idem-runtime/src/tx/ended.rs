@@ -65,6 +65,20 @@ pub(super) fn committed_since(wire: &Wire, begun: Marks) -> bool {
     wire.marks().since(begun) == Some(true) || wire.unanswered_may_commit()
 }
 
+/// Whether the body ended (or began) a transaction since `begun`, as far
+/// as `wire` can tell with requests unanswered (a connection closed, or
+/// idem's `ROLLBACK` unanswered): `Some(true)` when what it wrote may have
+/// committed. An unanswered lone `ROLLBACK` is not counted (it may be
+/// idem's own); what it ends writes nothing anyway.
+pub(super) fn body_end(wire: &Wire, begun: Marks) -> Option<bool> {
+    let committed = committed_since(wire, begun);
+    let ended = committed
+        || wire.marks().since(begun).is_some()
+        || wire.unanswered_end()
+        || wire.withheld();
+    ended.then_some(committed)
+}
+
 /// Where the body's requests stand once [`Tx::settle`] stopped waiting.
 pub(super) enum Settled {
     /// Every request has its answer (or the connection ended with none

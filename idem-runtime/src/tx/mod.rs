@@ -35,9 +35,7 @@ use std::time::Duration;
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::QueryResult;
-use diesel_async::{
-    AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
-};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 
 use crate::cause::{from_sqlstate, RetryCause, Transient};
 use crate::pool::{Marks, PooledConnection, Refusal, Replication, Row, Wire};
@@ -47,6 +45,7 @@ mod close;
 mod ended;
 mod pipeline;
 mod prepared;
+mod rollback;
 pub use begin::Isolation;
 pub(crate) use begin::Timeouts;
 use begin::SYNCHRONOUS;
@@ -54,6 +53,7 @@ pub(crate) use ended::{AfterBodyCommit, EndWatch};
 use ended::{EndState, Settled};
 pub(crate) use pipeline::{Closing, Last, Opening, Render};
 pub(crate) use prepared::{Prepared, Session};
+pub(crate) use rollback::RolledBack;
 
 /// One open transaction. Dropping it while open (the caller's future was
 /// cancelled) cancels the statement the server may still run for it and
@@ -294,23 +294,33 @@ impl Tx {
 
     /// Send `COMMIT` (the transaction is known sound) and classify its end.
     async fn send_commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
-        self.unguard();
         // What commits from here is idem's own, not a body's: with the
         // record riding on it, it commits or rolls back together with the
         // body's writes, and a call dropped while it is in flight has
         // nothing to hold (nor has one whose `COMMIT` goes unanswered).
         self.after_body_commit = None;
         self.close_watches();
-        let rollbacks = self.wire().map_or(0, Wire::rollbacks);
+        let wire = self.wire_arc();
+        let rollbacks = wire.rollbacks();
+        // The guard stays up through `COMMIT` (see `Wire::guard`): an end
+        // the body had queued in tokio-postgres, written since `refuse`
+        // looked, keeps it (and what rides on it) from going out.
         let committed = tokio::time::timeout(
             timeout,
             AnsiTransactionManager::commit_transaction(self.conn()),
         )
         .await;
+        self.unguard();
         match committed {
+            Ok(Err(_)) if wire.withheld() => {
+                tracing::warn!("the body sent an end of the transaction of its own after idem looked (a request it had queued); COMMIT was not sent, and the connection is closed");
+                let committed = ended::committed_since(&wire, self.begun);
+                self.discard();
+                Err(CommitFailure::EndedByBody { committed })
+            }
             // A statement still in flight when COMMIT was sent failed (a
             // future the body dropped): the server said ROLLBACK.
-            Ok(Ok(())) if self.wire().is_some_and(|w| w.rollbacks() > rollbacks) => {
+            Ok(Ok(())) if wire.rollbacks() > rollbacks => {
                 self.open = false;
                 Err(CommitFailure::RolledBack(self.failure_cause()))
             }
@@ -356,90 +366,6 @@ impl Tx {
                 self.open = false;
                 Err(CommitFailure::Failed(err))
             }
-        }
-    }
-
-    /// Roll back, or discard the connection when that fails or goes
-    /// unanswered, cancelling what its backend may still run: either way
-    /// the transaction is gone. A failing rollback is
-    /// logged, never returned, so it cannot hide the error that caused it.
-    ///
-    /// Returns true when the connection turned out to be lost: the
-    /// transaction died with it.
-    pub(crate) async fn roll_back(&mut self, timeout: Duration) -> bool {
-        if !self.open {
-            return false;
-        }
-        self.unguard();
-        if !self.holds_its_session() {
-            self.replaced();
-            return false;
-        }
-        // A statement the body stopped waiting for may still run: the
-        // `ROLLBACK` queues behind it, and its timeout is then no sign of a
-        // lost connection.
-        let behind = self.wire().is_some_and(Wire::running);
-        if !self.unmanaged && self.lost_track() {
-            // Closed, which rolls back; what the dropped statement left
-            // running is cancelled.
-            tracing::warn!("the body dropped a savepoint's statement before its answer; closing the connection");
-            self.cancel_and_discard();
-            return false;
-        }
-        let rolled_back = if self.unmanaged {
-            let mut shared: &AsyncPgConnection = self.conn();
-            tokio::time::timeout(timeout, shared.batch_execute("ROLLBACK")).await
-        } else {
-            tokio::time::timeout(
-                timeout,
-                AnsiTransactionManager::rollback_transaction(self.conn()),
-            )
-            .await
-        };
-        match rolled_back {
-            // A savepoint the body left open made it a `ROLLBACK TO
-            // SAVEPOINT`: the transaction, and its locks, would go back to
-            // the pool. Closed instead, which rolls it back.
-            Ok(Ok(())) if self.still_open() => {
-                tracing::warn!("the body left a savepoint open: ROLLBACK was to the savepoint; closing the connection");
-                self.discard();
-                false
-            }
-            Ok(Ok(())) => {
-                self.open = false;
-                self.unmanaged = false;
-                false
-            }
-            Ok(Err(err)) => {
-                tracing::warn!(error = %err, "ROLLBACK failed; discarding the connection");
-                let lost = err.transient() == Some(RetryCause::ConnectionLost)
-                    || self.wire().is_some_and(Wire::closed);
-                // The backend may still run what was sent before: a request
-                // a body pipelined behind its own end of the transaction,
-                // whose connection the seal closed (see `Wire::guard`), runs
-                // on in the chained transaction, without idem's bounds.
-                self.cancel_and_discard();
-                lost
-            }
-            Err(_elapsed) => {
-                tracing::warn!(behind, "ROLLBACK got no answer; discarding the connection");
-                self.cancel_and_discard();
-                !behind
-            }
-        }
-    }
-
-    /// End a transaction that wrote nothing without making the caller wait:
-    /// the connection goes back to the pool once `ROLLBACK` is answered, or is
-    /// closed when that fails. Nothing was written, so nothing can be lost.
-    pub(crate) fn end_in_background(mut self, timeout: Duration) {
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    self.roll_back(timeout).await;
-                });
-            }
-            Err(_) => self.discard(),
         }
     }
 

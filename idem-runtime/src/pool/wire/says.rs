@@ -10,22 +10,51 @@
 pub(crate) struct Says {
     /// A statement names `CHAIN` (see [`names_chain`]).
     pub(crate) chain: bool,
-    /// A statement may commit (see [`may_commit`]).
+    /// A statement may commit the transaction: one whose
+    /// first word, past blanks and comments, is `COMMIT`, `END` or `PREPARE`
+    /// (`PREPARE TRANSACTION`; `PREPARE name AS ..` reads as said too); or any
+    /// statement after a `ROLLBACK` (or `ABORT`) without `CHAIN` in the same
+    /// text, which runs outside any transaction and commits on its own.
+    /// Statements are told apart at each `;` outside comments, literals and
+    /// quoted names, found as PostgreSQL's lexer finds them: `--` to the end of
+    /// the line (`\n` or `\r`), nested `/* .. */`, `'..'` (with `''`), `E'..'`
+    /// (with backslash escapes), `".."` (with `""`), and `$tag$ .. $tag$`.
+    ///
+    /// For a request whose answer idem stops waiting for (a future the body
+    /// dropped, still running at `COMMIT`), or that a closed connection left
+    /// unanswered: cancelling it and closing the connection rolls the
+    /// transaction back, unless it was a commit, which the server may run
+    /// before it sees the connection end.
     pub(crate) commit: bool,
+    /// A statement ends the transaction: `COMMIT`, `END`, `PREPARE
+    /// TRANSACTION`, `ROLLBACK` or `ABORT` (not a `ROLLBACK TO` a
+    /// savepoint). What the body sends after one would run outside idem's
+    /// transaction (see `Wire::guard`).
+    pub(crate) ends: bool,
+    /// Every statement is a `ROLLBACK` or an `ABORT` (at least one): a
+    /// request that writes nothing wherever it runs, idem's own rollback
+    /// among them. Only ever read from a `Query`'s text.
+    pub(crate) rollback_only: bool,
 }
 
 impl Says {
     /// What `text` (one or more statements) says.
     pub(super) fn of(text: &[u8]) -> Says {
+        // A plain literal takes backslash escapes when
+        // `standard_conforming_strings` is off, which a session may set:
+        // both readings are made, and each errs towards what may write.
+        let (plain, escaped) = (Reading::of(text, false), Reading::of(text, true));
         Says {
             chain: names_chain(text),
-            commit: may_commit(text),
+            commit: plain.commit || escaped.commit,
+            ends: plain.ends || escaped.ends,
+            rollback_only: plain.rollback_only && escaped.rollback_only,
         }
     }
 
     /// Whether it says anything at all.
     pub(super) fn any(self) -> bool {
-        self.chain || self.commit
+        self.chain || self.commit || self.ends
     }
 }
 
@@ -33,6 +62,10 @@ impl std::ops::BitOrAssign for Says {
     fn bitor_assign(&mut self, other: Says) {
         self.chain |= other.chain;
         self.commit |= other.commit;
+        self.ends |= other.ends;
+        // Two statements: not a lone rollback any more (see `Observed`,
+        // which never counts a `Sync`'s request as one).
+        self.rollback_only = false;
     }
 }
 
@@ -45,48 +78,64 @@ fn names_chain(text: &[u8]) -> bool {
     text.windows(5).any(|w| w.eq_ignore_ascii_case(b"chain"))
 }
 
-/// Whether a statement of `text` may commit the transaction: one whose
-/// first word, past blanks and comments, is `COMMIT`, `END` or `PREPARE`
-/// (`PREPARE TRANSACTION`; `PREPARE name AS ..` reads as said too).
-/// Statements are told apart at each `;` outside comments, literals and
-/// quoted names, found as PostgreSQL's lexer finds them: `--` to the end of
-/// the line (`\n` or `\r`), nested `/* .. */`, `'..'` (with `''`), `E'..'`
-/// (with backslash escapes), `".."` (with `""`), and `$tag$ .. $tag$`. A plain
-/// literal takes backslash escapes when `standard_conforming_strings` is
-/// off, which a session may set: both readings are made, and either that
-/// finds such a statement counts.
-///
-/// For a request whose answer idem stops waiting for (a future the body
-/// dropped, still running at `COMMIT`), or that a closed connection left
-/// unanswered: cancelling it and closing the connection rolls the
-/// transaction back, unless it was a commit, which the server may run
-/// before it sees the connection end.
-fn may_commit(text: &[u8]) -> bool {
-    reads_a_commit(text, false) || reads_a_commit(text, true)
+/// One reading of a text's statements (see [`Says::of`]).
+struct Reading {
+    commit: bool,
+    ends: bool,
+    rollback_only: bool,
 }
 
-/// [`may_commit`], one reading: `backslashes`, whether a plain literal
-/// takes backslash escapes.
-fn reads_a_commit(text: &[u8], backslashes: bool) -> bool {
+impl Reading {
+    /// `backslashes`: whether a plain literal takes backslash escapes.
+    fn of(text: &[u8], backslashes: bool) -> Reading {
+        let mut reading = Reading {
+            commit: false,
+            ends: false,
+            rollback_only: true,
+        };
+        let (mut at, mut any, mut outside) = (0, false, false);
+        loop {
+            let semicolon = next_semicolon(text, at, backslashes);
+            let statement = &text[at..semicolon.unwrap_or(text.len())];
+            let [first, second, third] = first_words(statement);
+            if !first.is_empty() {
+                any = true;
+                let is = |word: &[u8], w: &str| word.eq_ignore_ascii_case(w.as_bytes());
+                let to = is(second, "to")
+                    || (is(second, "work") || is(second, "transaction")) && is(third, "to");
+                let rollback = is(first, "abort") || is(first, "rollback") && !to;
+                let commits = is(first, "commit") || is(first, "end") || is(first, "prepare");
+                reading.commit |= commits || outside && !rollback;
+                let prepares_a_statement = is(first, "prepare") && !is(second, "transaction");
+                reading.ends |= rollback || commits && !prepares_a_statement;
+                reading.rollback_only &= rollback;
+                outside |= rollback && !names_chain(statement);
+            }
+            match semicolon {
+                Some(semicolon) => at = semicolon + 1,
+                None => break,
+            }
+        }
+        reading.rollback_only &= any;
+        reading
+    }
+}
+
+/// The first three words of a statement, past blanks and comments (empty
+/// where there are fewer).
+fn first_words(statement: &[u8]) -> [&[u8]; 3] {
+    let mut words: [&[u8]; 3] = [&[]; 3];
     let mut at = 0;
-    loop {
-        at = past_blanks_and_comments(text, at);
-        let end = text[at..]
+    for word in &mut words {
+        at = past_blanks_and_comments(statement, at);
+        let end = statement[at..]
             .iter()
             .position(|b| !names(*b))
-            .map_or(text.len(), |n| at + n);
-        let word = &text[at..end];
-        if [&b"commit"[..], b"end", b"prepare"]
-            .iter()
-            .any(|w| word.eq_ignore_ascii_case(w))
-        {
-            return true;
-        }
-        match next_semicolon(text, end, backslashes) {
-            Some(semicolon) => at = semicolon + 1,
-            None => return false,
-        }
+            .map_or(statement.len(), |n| at + n);
+        *word = &statement[at..end];
+        at = end;
     }
+    words
 }
 
 /// Whether PostgreSQL reads `b` as part of a name or keyword.
@@ -271,6 +320,72 @@ mod tests {
             "",
         ] {
             assert!(!Says::of(text.as_bytes()).commit, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn a_statement_after_a_rollback_in_the_same_text_may_commit() {
+        for text in [
+            "ROLLBACK; INSERT INTO t VALUES (1)",
+            "abort; SELECT f()",
+            "ROLLBACK WORK; UPDATE t SET a = 1",
+            "/* x */ ROLLBACK /* ; */; DELETE FROM t",
+        ] {
+            assert!(Says::of(text.as_bytes()).commit, "{text:?}");
+        }
+        for text in [
+            "ROLLBACK AND CHAIN; INSERT INTO t VALUES (1)",
+            "ROLLBACK TO SAVEPOINT a; INSERT INTO t VALUES (1)",
+            "ROLLBACK TRANSACTION TO a; INSERT INTO t VALUES (1)",
+            "ROLLBACK; ROLLBACK",
+        ] {
+            assert!(!Says::of(text.as_bytes()).commit, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn ends_and_lone_rollbacks_are_told() {
+        let says = |text: &str| Says::of(text.as_bytes());
+        for text in [
+            "COMMIT",
+            "end",
+            "PREPARE TRANSACTION 'x'",
+            "ROLLBACK",
+            "rollback work",
+            "ABORT",
+            "ROLLBACK AND CHAIN",
+            "SELECT 1; ROLLBACK",
+        ] {
+            assert!(says(text).ends, "{text:?}");
+        }
+        for text in [
+            "ROLLBACK TO SAVEPOINT a",
+            "rollback to a",
+            "ROLLBACK WORK TO SAVEPOINT a",
+            "PREPARE p AS SELECT 1",
+            "SAVEPOINT a",
+            "RELEASE SAVEPOINT a",
+            "SELECT 'ROLLBACK'",
+            "BEGIN",
+        ] {
+            assert!(!says(text).ends, "{text:?}");
+        }
+        for text in [
+            "ROLLBACK",
+            " abort ",
+            "ROLLBACK; ROLLBACK",
+            "ROLLBACK AND CHAIN",
+        ] {
+            assert!(says(text).rollback_only, "{text:?}");
+        }
+        for text in [
+            "",
+            "ROLLBACK; SELECT 1",
+            "ROLLBACK TO SAVEPOINT a",
+            "COMMIT",
+            "SELECT 'x\\'; ROLLBACK; --'",
+        ] {
+            assert!(!says(text).rollback_only, "{text:?}");
         }
     }
 

@@ -10,18 +10,24 @@ use super::{Marks, State, Wire};
 
 impl Wire {
     /// From now until `None`, watch the transaction open since `begun`
-    /// (the marks when its `BEGIN` was answered): once the server says it
-    /// ended or another began (a body's own `COMMIT`, `ROLLBACK`, `ROLLBACK
-    /// AND CHAIN`, `PREPARE TRANSACTION`, `BEGIN`), nothing more is written.
-    /// The next write fails, and the connection with it: what a body sends
-    /// after ending idem's transaction would run outside it, in a
-    /// transaction of its own that commits, or in a chained one without
-    /// idem's bounds. The attempt fails either way (see
-    /// [`crate::tx::Tx::ended_by_body`]); this keeps it from writing more.
-    /// What was sent before the server answered the end (in the same
-    /// request, or pipelined behind it) still runs (see `Wire::on_sealed`);
-    /// the attempt's rollback cancels it, finding the connection closed
-    /// (see [`crate::tx::Tx::roll_back`]).
+    /// (the marks when its `BEGIN` was answered): once a request that ends
+    /// it goes out (a body's own `COMMIT`, `ROLLBACK`, `ROLLBACK AND CHAIN`,
+    /// `PREPARE TRANSACTION`), or the server says it ended or another began
+    /// (a `BEGIN`), nothing more is written but a lone `ROLLBACK`. The next
+    /// write fails, and the connection with it: what a body sends after
+    /// ending idem's transaction would run outside it, in a transaction of
+    /// its own that commits, or in a chained one without idem's bounds. The
+    /// attempt fails either way (see [`crate::tx::Tx::ended_by_body`]); this
+    /// keeps it from writing more, whether the body sends it, or had queued
+    /// it in tokio-postgres before it returned (written by the driver
+    /// later). What was sent in the same request as the end, or the same
+    /// write, still runs.
+    ///
+    /// idem keeps its guard up through its own end: its `ROLLBACK` goes
+    /// out behind whatever the body queued (which the seal stops, if it
+    /// came after an end), so that its answer says where the body left the
+    /// transaction; its `COMMIT`, and what rides on it, never go out behind
+    /// an end of the body's (see [`Wire::withheld`]).
     pub(crate) fn guard(&self, begun: Option<Marks>) {
         let mut state = self.state();
         state.guard = begun;
@@ -31,9 +37,9 @@ impl Wire {
     /// Seal the connection if the guarded transaction is over, unseal it
     /// when nothing is guarded.
     pub(super) fn reseal(&self, state: &State) {
-        let over = state
-            .guard
-            .is_some_and(|begun| state.marks.since(begun).is_some());
+        let over = state.guard.is_some_and(|begun| {
+            state.marks.since(begun).is_some() || state.sent.iter().any(|s| s.ends)
+        });
         self.sealed.store(over, Ordering::Release);
     }
 
@@ -81,15 +87,18 @@ impl Wire {
     }
 
     /// The seal refused a write (see [`Wire::guard`]) and the connection
-    /// ends. A request sent before the server answered the end (pipelined
-    /// behind it) may have run outside any transaction and committed; its
-    /// answer will not be read now, so it counts as committed.
+    /// ends. What was sent before it stays counted as sent: a request
+    /// written behind the end in the same write (its answer will not be
+    /// read now) counts as committed ([`Wire::unanswered_may_commit`]).
     pub(super) fn on_sealed(&self) {
-        let mut state = self.state();
-        if !state.sent.is_empty() {
-            state.marks.commits += 1;
-        }
-        drop(state);
+        self.state().withheld = true;
         self.on_closed();
+    }
+
+    /// Whether the seal refused a write: the request it held (idem's own
+    /// `COMMIT`, say) never went out, because the body had sent an end of
+    /// the transaction first.
+    pub(crate) fn withheld(&self) -> bool {
+        self.state().withheld
     }
 }

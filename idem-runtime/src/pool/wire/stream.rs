@@ -106,8 +106,11 @@ impl<S> Observed<S> {
             },
             |kind, body| match kind {
                 b'Q' => {
-                    *says |= Says::of(body);
-                    requests.push(std::mem::take(says));
+                    let (mut said, bound) = (Says::of(body), std::mem::take(says));
+                    if bound.any() {
+                        said |= bound;
+                    }
+                    requests.push(said);
                 }
                 b'S' => requests.push(std::mem::take(says)),
                 b'P' => {
@@ -289,7 +292,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
             this.wire.on_closed();
             return Poll::Ready(Err(severed()));
         }
-        if this.wire.sealed() {
+        if this.wire.sealed() && buf != LONE_ROLLBACK {
             this.wire.on_sealed();
             return Poll::Ready(Err(io::Error::other(
                 "idem: the function's body ended idem's transaction itself; nothing more it sends goes out, and the connection is closed",
@@ -326,6 +329,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
         Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
+
+/// A `ROLLBACK` alone, as diesel-async and idem send it (a simple query):
+/// what the seal lets through (see [`Wire::guard`]). It writes nothing
+/// wherever it runs.
+const LONE_ROLLBACK: &[u8] = b"Q\0\0\0\x0dROLLBACK\0";
 
 /// The error of a read or write after [`Wire::sever`].
 fn severed() -> io::Error {

@@ -1,0 +1,131 @@
+//! How a transaction is rolled back, and what the answer to idem's
+//! `ROLLBACK` says of where the body had left it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
+};
+
+use super::{ended, Tx};
+use crate::cause::{RetryCause, Transient};
+use crate::pool::Wire;
+
+/// How [`Tx::roll_back_reading`] ended.
+pub(crate) struct RolledBack {
+    /// The connection turned out to be lost: the transaction died with it.
+    pub(crate) lost: bool,
+    /// Whether the body had ended (or begun) a transaction itself:
+    /// `Some(true)` when what it wrote may have committed (see
+    /// [`Tx::ended_by_body`]).
+    pub(crate) ended: Option<bool>,
+}
+
+impl Tx {
+    /// Roll back, or discard the connection when that fails or goes
+    /// unanswered, cancelling what its backend may still run: either way
+    /// the transaction is gone. A failing rollback is
+    /// logged, never returned, so it cannot hide the error that caused it.
+    ///
+    /// Returns true when the connection turned out to be lost: the
+    /// transaction died with it.
+    pub(crate) async fn roll_back(&mut self, timeout: Duration) -> bool {
+        self.roll_back_reading(timeout).await.lost
+    }
+
+    /// [`Tx::roll_back`], and where the body had left the transaction: its
+    /// `ROLLBACK` goes out behind whatever the body sent or queued in
+    /// tokio-postgres (the guard up, see `Wire::guard`), so once it is
+    /// answered, every request the body made is too.
+    pub(crate) async fn roll_back_reading(&mut self, timeout: Duration) -> RolledBack {
+        let (lost, wire, answered) = self.send_rollback(timeout).await;
+        let ended = match wire {
+            // Answered last, a lone `ROLLBACK` counted one idle status.
+            Some(wire) if answered => wire.marks().before_a_lone_rollback().since(self.begun),
+            Some(wire) => ended::body_end(&wire, self.begun),
+            None => None,
+        };
+        RolledBack { lost, ended }
+    }
+
+    /// See [`Tx::roll_back`]; also the transaction's wire, and whether
+    /// idem's lone `ROLLBACK` was the last request answered on it.
+    async fn send_rollback(&mut self, timeout: Duration) -> (bool, Option<Arc<Wire>>, bool) {
+        if !self.open {
+            return (false, None, false);
+        }
+        if !self.holds_its_session() {
+            self.unguard();
+            self.replaced();
+            return (false, None, false);
+        }
+        let wire = self.wire_arc();
+        // A statement the body stopped waiting for may still run: the
+        // `ROLLBACK` queues behind it, and its timeout is then no sign of a
+        // lost connection.
+        let behind = wire.running();
+        if !self.unmanaged && self.lost_track() {
+            // Closed, which rolls back; what the dropped statement left
+            // running is cancelled.
+            tracing::warn!("the body dropped a savepoint's statement before its answer; closing the connection");
+            self.cancel_and_discard();
+            return (false, Some(wire), false);
+        }
+        let rolled_back = if self.unmanaged {
+            let mut shared: &AsyncPgConnection = self.conn();
+            tokio::time::timeout(timeout, shared.batch_execute("ROLLBACK")).await
+        } else {
+            tokio::time::timeout(
+                timeout,
+                AnsiTransactionManager::rollback_transaction(self.conn()),
+            )
+            .await
+        };
+        self.unguard();
+        match rolled_back {
+            // A savepoint the body left open made it a `ROLLBACK TO
+            // SAVEPOINT`: the transaction, and its locks, would go back to
+            // the pool. Closed instead, which rolls it back.
+            Ok(Ok(())) if self.still_open() => {
+                tracing::warn!("the body left a savepoint open: ROLLBACK was to the savepoint; closing the connection");
+                self.discard();
+                (false, Some(wire), false)
+            }
+            Ok(Ok(())) => {
+                self.open = false;
+                self.unmanaged = false;
+                (false, Some(wire), true)
+            }
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "ROLLBACK failed; discarding the connection");
+                let lost = err.transient() == Some(RetryCause::ConnectionLost) || wire.closed();
+                // The backend may still run what was sent before: a request
+                // a body pipelined behind its own end of the transaction,
+                // whose connection the seal closed (see `Wire::guard`), runs
+                // on in the chained transaction, without idem's bounds.
+                self.cancel_and_discard();
+                (lost, Some(wire), false)
+            }
+            Err(_elapsed) => {
+                tracing::warn!(behind, "ROLLBACK got no answer; discarding the connection");
+                self.cancel_and_discard();
+                (!behind, Some(wire), false)
+            }
+        }
+    }
+
+    /// End a transaction that wrote nothing without making the caller wait:
+    /// the connection goes back to the pool once `ROLLBACK` is answered, or is
+    /// closed when that fails. Nothing was written, so nothing can be lost.
+    pub(crate) fn end_in_background(mut self, timeout: Duration) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    self.roll_back(timeout).await;
+                });
+            }
+            Err(_) => self.discard(),
+        }
+    }
+}
