@@ -88,3 +88,70 @@ async fn found_a_commit_written_after_its_call_was_dropped_is_held() {
         }
     }
 }
+
+/// Effect, then `COMMIT` by hand queued (polled once), then `reached` told
+/// and `Ok` returned: idem's own `COMMIT` goes out behind the body's.
+#[idempotent(key = key, fingerprint(key), scope = none)]
+#[retryable(max = 1, deadline_ms = 20000, commit_timeout_ms = 3000)]
+async fn queues_commit_and_returns(
+    conn: &mut AsyncPgConnection,
+    key: &str,
+    reached: &Notify,
+) -> Result<i64, AppError> {
+    let id = insert_effect(conn, key, 1).await?;
+    drop(conn.batch_execute("COMMIT").now_or_never());
+    reached.notify_one();
+    Ok(id)
+}
+
+/// Calls whose body queued its own `COMMIT` and returned `Ok`, dropped by
+/// their caller a few scheduler turns later: often while idem's own
+/// `COMMIT` (withheld behind the body's, see `Wire::withheld`) is in
+/// flight. Every effect committed has its key held, whenever the drop
+/// lands; no key is held without its effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dropped_during_commit_behind_a_queued_commit_holds_its_key() {
+    let env = env(2).await;
+    for i in 0..160_usize {
+        let (pool, key) = (env.pool.clone(), format!("behind-{i}"));
+        let _ = tokio::spawn(async move {
+            let reached = Notify::new();
+            let call = queues_commit_and_returns(&pool, &key, &reached);
+            tokio::pin!(call);
+            tokio::select! {
+                _ = &mut call => return,
+                () = reached.notified() => {}
+            }
+            for _ in 0..i % 16 {
+                if (&mut call).now_or_never().is_some() {
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+    }
+    let unheld = "SELECT count(*) FROM effects e WHERE e.tag LIKE 'behind-%' AND NOT EXISTS \
+                  (SELECT 1 FROM idem_requests r WHERE r.key = e.tag)";
+    let held = eventually(Duration::from_secs(10), || async {
+        env.scalar(unheld).await == 0
+    })
+    .await;
+    let effects = env
+        .scalar("SELECT count(*) FROM effects WHERE tag LIKE 'behind-%'")
+        .await;
+    let unheld = env.scalar(unheld).await;
+    assert!(
+        held,
+        "{unheld} of {effects} effects committed, key not held"
+    );
+    let listed = "SELECT r.key || ' ' || r.state::text || ' ' || coalesce(r.outcome::text, '-') \
+                  FROM idem_requests r WHERE r.key LIKE 'behind-%' \
+                  AND NOT EXISTS (SELECT 1 FROM effects e WHERE e.tag = r.key)";
+    let rows = env.client.query(listed, &[]).await.unwrap();
+    let listed: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert!(
+        listed.is_empty(),
+        "records without their effect: {listed:?}"
+    );
+}

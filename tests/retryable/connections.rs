@@ -250,3 +250,40 @@ async fn dropping_the_future_while_the_body_awaits_closes_the_transaction() {
 async fn dropping_the_future_while_a_statement_runs_closes_the_transaction() {
     cancel_mid_attempt(true).await;
 }
+
+// ---------------------------------------------------------------------------
+// A swapped connection committed by hand (moved from attack_session34.rs)
+// ---------------------------------------------------------------------------
+
+/// Writes item `id` on idem's connection, swaps it out for one of its own,
+/// commits idem's transaction by hand on the connection taken away, and
+/// returns `Ok`.
+#[retryable(max = 3, deadline_ms = 5000)]
+async fn swaps_then_commits_by_hand(
+    conn: &mut AsyncPgConnection,
+    url: &str,
+    id: i64,
+    calls: &AtomicU32,
+) -> Result<(), AppError> {
+    calls.fetch_add(1, Ordering::SeqCst);
+    insert_item(conn, id).await?;
+    let mut taken = AsyncPgConnection::establish(url).await.expect("connect");
+    std::mem::swap(conn, &mut taken);
+    let _ = taken.batch_execute("COMMIT").await;
+    Ok(())
+}
+
+/// A body that both swaps and commits idem's transaction by hand on the
+/// connection it took away: never `Ok`, never replayed; the item it
+/// committed by hand is there (idem cannot call it back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swap_then_a_commit_by_hand_is_never_ok() {
+    let env = env(1).await;
+    let calls = AtomicU32::new(0);
+    let r = swaps_then_commits_by_hand(&env.pool, env.db.url(), 9500, &calls).await;
+    let items = items_from(&env, 9500).await;
+    let replaced = matches!(r, Err(AppError::Idem(idem::Error::ConnectionReplaced)));
+    assert!(replaced && count(&calls) == 1, "{r:?}");
+    assert_eq!(items, [9500], "committed by hand, once");
+    super::attack_seal::pool_serves(&env, "swap and commit").await;
+}

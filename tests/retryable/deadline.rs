@@ -358,34 +358,30 @@ async fn what_a_body_sends_after_ending_the_transaction_never_runs() {
     env.assert_pool_clean().await;
 }
 
-/// Ends idem's transaction with `ROLLBACK AND CHAIN` after a nap, and
-/// pipelines a long sleep behind it in a request of its own, written while
-/// the nap runs (so before the end is answered): it runs in the chained
-/// transaction, which has none of idem's bounds. Once the end is answered
-/// the futures are dropped and one more statement is sent, which the seal
+/// Ends idem's transaction with `ROLLBACK AND CHAIN` after a nap, and a
+/// long sleep behind it in the same request: it runs in the chained
+/// transaction, which has none of idem's bounds. (A request of its own
+/// behind the end never goes out: the seal closes once the end is sent.)
+/// Once the body stops waiting, one more statement is sent, which the seal
 /// refuses, closing the connection.
 #[retryable(max = 4, deadline_ms = 2000)]
 async fn chains_a_sleep_then_sends(
     conn: &mut AsyncPgConnection,
     tag: &str,
 ) -> Result<(), AppError> {
-    let sleep = format!("SELECT pg_sleep(30) /* {tag} */");
-    let shared: &AsyncPgConnection = conn;
-    let (mut a, mut b) = (shared, shared);
-    let end = a.batch_execute("SELECT pg_sleep(0.2); ROLLBACK AND CHAIN");
-    let both = futures_util::future::join(end, b.batch_execute(&sleep));
-    let cut = tokio::time::timeout(Duration::from_millis(600), both).await;
+    let both = format!("SELECT pg_sleep(0.2); ROLLBACK AND CHAIN; SELECT pg_sleep(30) /* {tag} */");
+    let cut = tokio::time::timeout(Duration::from_millis(600), conn.batch_execute(&both)).await;
     assert!(cut.is_err(), "the sleep still runs");
     conn.batch_execute("SELECT 1").await?;
     Ok(())
 }
 
-/// A statement a body pipelined behind its own end of the transaction
-/// still runs when the seal closes the connection (the server notices a
-/// closed socket only when it next writes): it is cancelled, not left to
-/// run unbounded in the chained transaction.
+/// A statement a body sent with its own end of the transaction, in the
+/// same request, still runs when the seal closes the connection (the
+/// server notices a closed socket only when it next writes): it is
+/// cancelled, not left to run unbounded in the chained transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn what_a_body_pipelined_behind_its_end_is_cancelled() {
+async fn what_a_body_sent_with_its_end_is_cancelled() {
     let env = env(1).await;
     let tag = "idem-test-chained-sleep";
     let started = Instant::now();

@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+mod cut;
 mod frame;
 mod reported;
 mod ride;
@@ -65,6 +66,8 @@ pub(crate) struct Wire {
     /// The transaction [`Wire::guard`] watches has ended or another begun:
     /// nothing more is written (see there).
     sealed: AtomicBool,
+    /// A transaction is guarded (see [`Wire::guard`]).
+    guarded: AtomicBool,
     /// Closed from outside its driver ([`Wire::sever`]): nothing more is
     /// read or written.
     severed: AtomicBool,
@@ -191,6 +194,8 @@ struct State {
     guard: Option<Marks>,
     /// The seal refused a write ([`Wire::withheld`]).
     withheld: bool,
+    /// Ride units written so far ([`Wire::units_sent`]).
+    units: u64,
 }
 
 /// SQLSTATE `invalid_sql_statement_name`: a `Bind` (or `EXECUTE`) of a
@@ -253,6 +258,12 @@ impl Wire {
     pub(crate) fn ride(&self, query: Vec<u8>, unit: Vec<u8>, parses: Vec<Option<&'static str>>) {
         self.state().ride.arm(query, unit, parses);
         self.riding.store(true, Ordering::Release);
+    }
+
+    /// How many ride units were written so far (see [`Wire::ride`]): one
+    /// more once idem's `COMMIT`, with what rides on it, went out.
+    pub(crate) fn units_sent(&self) -> u64 {
+        self.state().units
     }
 
     /// Whether the connection keeps its session's prepared statements.
@@ -372,6 +383,7 @@ impl Wire {
         if rewritten {
             let ahead = state.sent.len();
             state.ride.on_written(ahead);
+            state.units += 1;
         }
         state.sent.extend(requests.iter().map(|says| Sent {
             at,

@@ -53,6 +53,7 @@
 
 mod attempt;
 mod backoff;
+mod ended;
 mod run;
 
 use std::time::Duration;

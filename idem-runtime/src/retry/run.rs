@@ -129,13 +129,13 @@ pub struct RetryLoop<'p> {
     /// The last `Step::CommitAndContinue` got no answer to its `COMMIT`:
     /// the next attempt is told ([`Attempt::follows_unknown_commit`]).
     unknown_commit: bool,
-    /// The call ended with the body's own end of the transaction, which
-    /// committed what it had written (or may have): see
-    /// [`RetryLoop::body_committed`].
-    body_committed: bool,
+    /// The call ended with the body's own end of the transaction:
+    /// `Some(true)` when that committed what it had written (or may have),
+    /// see [`RetryLoop::body_ended`].
+    pub(super) body_ended: Option<bool>,
     /// The attempt whose body committed by hand, rolled back, its
     /// connection kept until [`RetryLoop::take_ended`] (or the loop's end).
-    ended: Option<Attempt>,
+    pub(super) ended: Option<Attempt>,
     span: tracing::Span,
 }
 
@@ -165,7 +165,7 @@ impl<'p> RetryLoop<'p> {
             conflict: ConflictSlot::default(),
             immediate_repeats: 0,
             unknown_commit: false,
-            body_committed: false,
+            body_ended: None,
             ended: None,
             span,
         }
@@ -179,22 +179,6 @@ impl<'p> RetryLoop<'p> {
     /// The policy this loop runs under.
     pub fn policy(&self) -> &RetryPolicy {
         &self.policy
-    }
-
-    /// Whether the call was answered `TransactionEnded { committed: true }`:
-    /// the body ended the transaction itself, and what it had written was
-    /// (or may have been) committed without anything of idem's that rides
-    /// on idem's own `COMMIT` (a local idempotent call's record).
-    pub fn body_committed(&self) -> bool {
-        self.body_committed
-    }
-
-    /// The attempt whose body committed by hand ([`Self::body_committed`]),
-    /// rolled back, with its connection if it kept one: a write that must
-    /// precede the callers waiting on the pool goes there (see
-    /// [`Attempt::run_alone`]).
-    pub(crate) fn take_ended(&mut self) -> Option<Attempt> {
-        self.ended.take()
     }
 
     /// Start the next attempt as `begin` says: at once ([`RetryLoop::begin`])
@@ -502,35 +486,11 @@ impl<'p> RetryLoop<'p> {
         self.done(Err(E::from(err)), label)
     }
 
-    /// The answer to a body that ended the transaction itself, its
-    /// attempt (rolled back) kept when the body committed.
-    fn ended_by_body<T, E: FromIdemError>(
-        &mut self,
-        committed: bool,
-        attempt: Attempt,
+    pub(super) fn done<T, E>(
+        &self,
+        outcome: Result<T, E>,
+        label: &'static str,
     ) -> ControlFlow<Result<T, E>> {
-        let outcome = self.answer_ended(committed);
-        self.keep_ended(attempt, outcome)
-    }
-
-    fn answer_ended<T, E: FromIdemError>(&mut self, committed: bool) -> ControlFlow<Result<T, E>> {
-        self.body_committed = committed;
-        self.done(
-            Err(E::from(Error::TransactionEnded { committed })),
-            "ended_by_body",
-        )
-    }
-
-    /// `outcome`, keeping `attempt` for [`Self::take_ended`] if its body
-    /// committed by hand.
-    fn keep_ended<O>(&mut self, attempt: Attempt, outcome: O) -> O {
-        if self.body_committed {
-            self.ended = Some(attempt);
-        }
-        outcome
-    }
-
-    fn done<T, E>(&self, outcome: Result<T, E>, label: &'static str) -> ControlFlow<Result<T, E>> {
         self.record_end(label);
         ControlFlow::Break(outcome)
     }

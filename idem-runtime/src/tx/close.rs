@@ -65,7 +65,7 @@ impl Tx {
         if let Some(conn) = self.conn.take() {
             // After the body committed by hand, with something to write for
             // it (see `Tx::after_body_commit`): closed, its slot kept.
-            let committed = super::ended::committed_since(conn.wire(), self.begun);
+            let committed = self.body_committed(conn.wire());
             if self.after_body_commit.is_some() && committed {
                 conn.wire().sever();
                 self.lost = Some(conn);

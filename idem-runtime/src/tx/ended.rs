@@ -28,10 +28,14 @@ pub(crate) struct EndWatch {
 /// What a transaction's watches share with it.
 #[derive(Default)]
 pub(crate) struct EndState {
-    /// The answer when the connection left the transaction, or idem sent
-    /// its own `COMMIT`: from then on what commits is idem's, or another
-    /// user's (the connection back in the pool), not the body's.
+    /// The answer when the connection left the transaction: from then on
+    /// what commits is another user's (the connection back in the pool),
+    /// not the body's.
     seen: OnceLock<bool>,
+    /// When idem was about to send its own `COMMIT`, with the record riding
+    /// on it: the ride units written by then, and what the body had
+    /// committed (see [`body_committed`]).
+    own_commit: OnceLock<(u64, bool)>,
     /// Dropped after its body committed by hand, the transaction was handed
     /// to its [`AfterBodyCommit`] with its connection.
     handed_off: AtomicBool,
@@ -44,7 +48,7 @@ impl EndWatch {
     pub(crate) fn committed(&self) -> bool {
         match self.state.seen.get() {
             Some(seen) => *seen,
-            None => committed_since(&self.wire, self.begun),
+            None => body_committed(&self.wire, self.begun, Some(&self.state)),
         }
     }
 
@@ -63,6 +67,19 @@ pub(crate) type AfterBodyCommit =
 
 pub(super) fn committed_since(wire: &Wire, begun: Marks) -> bool {
     wire.marks().since(begun) == Some(true) || wire.unanswered_may_commit()
+}
+
+/// What the body committed, as [`committed_since`] says until idem's own
+/// `COMMIT` goes out, then as it stood before (`state`'s `own_commit`):
+/// what commits from there is idem's, the record riding on it. Had the
+/// body sent an end of its own first (a `COMMIT` it queued in
+/// tokio-postgres, written after idem looked), the seal would have held
+/// idem's back (see `Wire::withheld`).
+fn body_committed(wire: &Wire, begun: Marks, state: Option<&EndState>) -> bool {
+    match state.and_then(|state| state.own_commit.get()) {
+        Some(&(units, before)) if wire.units_sent() > units => before,
+        _ => committed_since(wire, begun),
+    }
 }
 
 /// Whether the body ended (or began) a transaction since `begun`, as far
@@ -108,8 +125,24 @@ impl Tx {
     pub(super) fn close_watches(&self) {
         let wire = self.wire().or(self.lost.as_ref().map(|c| c.wire()));
         if let (Some(state), Some(wire)) = (self.end_state.as_ref(), wire) {
-            let _ = state.seen.set(committed_since(wire, self.begun));
+            let _ = state
+                .seen
+                .set(body_committed(wire, self.begun, Some(state)));
         }
+    }
+
+    /// idem is about to send its own `COMMIT` (see [`body_committed`]).
+    pub(super) fn own_commit_next(&self) {
+        if let (Some(state), Some(wire)) = (self.end_state.as_ref(), self.wire()) {
+            let before = committed_since(wire, self.begun);
+            let _ = state.own_commit.set((wire.units_sent(), before));
+        }
+    }
+
+    /// Whether the body committed by hand, as the wire `wire` of this
+    /// transaction says (see [`body_committed`]).
+    pub(super) fn body_committed(&self, wire: &Wire) -> bool {
+        body_committed(wire, self.begun, self.end_state.as_deref())
     }
 
     /// Run `then` with this transaction, in a task of its own, if it is
@@ -151,11 +184,11 @@ impl Tx {
         let Some(conn) = self.conn.as_ref() else {
             return;
         };
-        if !self.open || !conn.holds_its_session() || committed_since(conn.wire(), self.begun) {
+        if !self.open || !conn.holds_its_session() || self.body_committed(conn.wire()) {
             return;
         }
         conn.wire().sever();
-        if self.after_body_commit.is_some() && committed_since(conn.wire(), self.begun) {
+        if self.after_body_commit.is_some() && self.body_committed(conn.wire()) {
             self.discard();
         }
     }
@@ -164,7 +197,7 @@ impl Tx {
     /// transaction on.
     pub(super) fn hand_off_after_body_commit(&mut self) -> bool {
         let wire = self.wire().or(self.lost.as_ref().map(|c| c.wire()));
-        let committed = wire.is_some_and(|wire| committed_since(wire, self.begun));
+        let committed = wire.is_some_and(|wire| self.body_committed(wire));
         // Open (the call dropped before idem rolled back), or not (dropped
         // while `then`'s own statement was in flight: a prepare that never
         // got to run it, say).

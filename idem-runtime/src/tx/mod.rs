@@ -294,12 +294,11 @@ impl Tx {
 
     /// Send `COMMIT` (the transaction is known sound) and classify its end.
     async fn send_commit(&mut self, timeout: Duration) -> Result<(), CommitFailure> {
-        // What commits from here is idem's own, not a body's: with the
-        // record riding on it, it commits or rolls back together with the
-        // body's writes, and a call dropped while it is in flight has
+        // What commits once it goes out is idem's own, not a body's: with
+        // the record riding on it, it commits or rolls back together with
+        // the body's writes, and a call dropped while it is in flight has
         // nothing to hold (nor has one whose `COMMIT` goes unanswered).
-        self.after_body_commit = None;
-        self.close_watches();
+        self.own_commit_next();
         let wire = self.wire_arc();
         let rollbacks = wire.rollbacks();
         // The guard stays up through `COMMIT` (see `Wire::guard`): an end

@@ -495,12 +495,13 @@ impl<E> Call<E> {
         let request = &self.request;
         // A final error whose storing failed still is the answer: the body's
         // writes were rolled back, and the next request runs again. Unless
-        // the body had committed by hand (a `COMMIT` it queued, written
-        // before idem's `ROLLBACK`): then the loop's answer stands, and
-        // whatever the error says, the key stays held.
+        // the body had ended the transaction itself (a `COMMIT` or
+        // `ROLLBACK` it queued, written before idem's `ROLLBACK`): then the
+        // loop's answer stands, and, what it wrote committed, whatever the
+        // error says, the key stays held.
         let committed = retry_loop.body_committed();
         let (err, nothing_happened) = match self.pending_final.take() {
-            Some((final_err, _)) if !committed => (final_err, true),
+            Some((final_err, _)) if retry_loop.body_ended().is_none() => (final_err, true),
             _ => {
                 let nothing = !committed && (!self.body_ran || err.nothing_sent());
                 (err, nothing)

@@ -23,6 +23,8 @@
 
 use std::collections::VecDeque;
 
+use super::says::Says;
+
 /// One row of a captured result, each column in PostgreSQL's text form
 /// (`None`: NULL).
 pub(crate) type Row = Vec<Option<Vec<u8>>>;
@@ -112,6 +114,12 @@ impl Ride {
     /// write instead, if one waits.
     pub(super) fn take_unit(&mut self, text: &[u8]) -> Option<Result<Vec<u8>, Mismatch>> {
         self.unit.as_ref()?;
+        // A body's own end, queued ahead of idem's `COMMIT`: it goes out as
+        // it is, the unit waiting still, and the seal holds back what
+        // follows it (see `Wire::guard`): what was to ride, with it.
+        if text != self.query.as_slice() && Says::of(text).ends {
+            return None;
+        }
         if text != self.query.as_slice() {
             self.unit = None;
             self.released = text.starts_with(b"RELEASE SAVEPOINT ");

@@ -31,6 +31,7 @@ impl Wire {
     pub(crate) fn guard(&self, begun: Option<Marks>) {
         let mut state = self.state();
         state.guard = begun;
+        self.guarded.store(begun.is_some(), Ordering::Release);
         self.reseal(&state);
     }
 
@@ -79,6 +80,11 @@ impl Wire {
         if !reader.as_ref().is_some_and(|w| w.will_wake(waker)) {
             *reader = Some(waker.clone());
         }
+    }
+
+    /// Whether a transaction is guarded (see [`Wire::guard`]).
+    pub(super) fn guarded(&self) -> bool {
+        self.guarded.load(Ordering::Acquire)
     }
 
     /// Whether nothing more may be written (see [`Wire::guard`]).

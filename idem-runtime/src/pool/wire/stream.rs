@@ -207,6 +207,14 @@ impl<S: AsyncWrite + Unpin> Observed<S> {
         }
     }
 
+    /// See [`cut`](super::cut): only while a transaction is guarded.
+    fn cut(&self, buf: &[u8]) -> Option<usize> {
+        if !self.wire.guarded() {
+            return None;
+        }
+        super::cut::end_cut(buf, self.frontend.next_start(buf)?, &self.named)
+    }
+
     /// Owe `buf[..at]` and `unit` in place of `buf[..taken]`.
     fn owe(&mut self, buf: &[u8], at: usize, unit: Vec<u8>, taken: usize) -> usize {
         // Before the owed bytes are written (see `Wire::on_sent`).
@@ -293,11 +301,23 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
             return Poll::Ready(Err(severed()));
         }
         if this.wire.sealed() && buf != LONE_ROLLBACK {
+            // Refused once a commit in flight is answered: closed now, the
+            // connection would leave it (a `COMMIT` the body queued) to be
+            // run or lost, unknown. The driver reads on meanwhile, and
+            // polls this write again after each answer.
+            if this.wire.commit_in_flight() {
+                return Poll::Pending;
+            }
             this.wire.on_sealed();
             return Poll::Ready(Err(io::Error::other(
                 "idem: the function's body ended idem's transaction itself; nothing more it sends goes out, and the connection is closed",
             )));
         }
+        // While a body runs, no write goes past an end it holds.
+        let buf = match this.cut(buf) {
+            Some(cut) => &buf[..cut],
+            None => buf,
+        };
         if this.wire.riding() {
             if let Some(taken) = this.ride_on(buf)? {
                 // Sent now if the socket takes it; owed (and flushed) if not.

@@ -45,6 +45,13 @@ impl Wire {
             .any(|sent| sent.ends && !sent.rollback_only)
     }
 
+    /// Whether a request that may commit (see [`Says`](super::says::Says))
+    /// is sent and unanswered, on a connection still open.
+    pub(crate) fn commit_in_flight(&self) -> bool {
+        let state = self.state();
+        !state.closed && state.sent.iter().any(|sent| sent.commit)
+    }
+
     /// Whether a request sent is unanswered on a connection still open:
     /// the server may still be running it.
     pub(crate) fn running(&self) -> bool {
