@@ -155,3 +155,26 @@ async fn a_call_dropped_during_commit_behind_a_queued_commit_holds_its_key() {
         "records without their effect: {listed:?}"
     );
 }
+
+/// On a current-thread runtime the driver runs only once the call awaits:
+/// a body's queued `COMMIT` and idem's own go out in one write, and the
+/// record rides on the body's (the same text). That was idem's commit: the
+/// call answers `Ok`, the record stands with its effect, a repeat is
+/// replayed. (It answered `TransactionEnded { committed: true }`, and its
+/// hold found the record and logged an error.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_queued_commit_the_record_rode_on_is_answered_ok() {
+    let env = env(2).await;
+    for i in 0..5 {
+        let key = format!("rode-{i}");
+        let first = queues_commit_and_returns(&env.pool, &key, &Notify::new()).await;
+        assert!(matches!(&first, Ok(v) if !v.replayed), "{key}: {first:?}");
+        assert_eq!(env.effects(&key).await, 1, "{key}");
+        let rec = env.record(&key).await;
+        let state = rec.as_ref().map(|(s, o, _)| (s.as_str(), o.as_deref()));
+        assert_eq!(state, Some(("completed", Some("ok"))), "{key}");
+        let again = queues_commit_and_returns(&env.pool, &key, &Notify::new()).await;
+        assert!(matches!(&again, Ok(v) if v.replayed), "{key}: {again:?}");
+        assert_eq!(env.effects(&key).await, 1, "{key}: replayed, not run");
+    }
+}

@@ -139,6 +139,13 @@ impl Tx {
         }
     }
 
+    /// Whether idem's own `COMMIT`, with what rides on it, went out (see
+    /// [`Tx::own_commit_next`]).
+    pub(super) fn own_commit_sent(&self, wire: &Wire) -> bool {
+        let own = self.end_state.as_ref().and_then(|s| s.own_commit.get());
+        own.is_some_and(|&(units, _)| wire.units_sent() > units)
+    }
+
     /// Whether the body committed by hand, as the wire `wire` of this
     /// transaction says (see [`body_committed`]).
     pub(super) fn body_committed(&self, wire: &Wire) -> bool {

@@ -311,6 +311,19 @@ impl Tx {
         .await;
         self.unguard();
         match committed {
+            // The ride went out in place of a `COMMIT` the body had queued
+            // (the same text, in the same write), and committed: it was
+            // idem's commit. The refusal of the `COMMIT` behind it waited
+            // for that answer.
+            Ok(Err(_))
+                if wire.withheld()
+                    && self.own_commit_sent(&wire)
+                    && wire.marks().since(self.begun) == Some(true) =>
+            {
+                self.open = false;
+                self.discard();
+                Ok(())
+            }
             Ok(Err(_)) if wire.withheld() => {
                 tracing::warn!("the body sent an end of the transaction of its own after idem looked (a request it had queued); COMMIT was not sent, and the connection is closed");
                 let committed = ended::committed_since(&wire, self.begun);
