@@ -135,6 +135,8 @@ struct Sent {
     /// Whether a statement it runs may commit (see
     /// [`Wire::unanswered_may_commit`]).
     commit: bool,
+    /// Whether its end itself may commit (see [`Wire::commit_in_flight`]).
+    commit_end: bool,
     /// Whether a statement it runs ends the transaction (see
     /// [`Wire::guard`]).
     ends: bool,
@@ -194,6 +196,8 @@ struct State {
     guard: Option<Marks>,
     /// The seal refused a write ([`Wire::withheld`]).
     withheld: bool,
+    /// What it refused was idem's own `COMMIT`, alone.
+    withheld_commit: bool,
     /// Ride units written so far ([`Wire::units_sent`]).
     units: u64,
 }
@@ -389,6 +393,7 @@ impl Wire {
             at,
             chained: says.chain,
             commit: says.commit,
+            commit_end: says.commit_end,
             ends: says.ends,
             rollback_only: says.rollback_only,
         }));

@@ -316,7 +316,7 @@ impl Tx {
             // idem's commit. The refusal of the `COMMIT` behind it waited
             // for that answer.
             Ok(Err(_))
-                if wire.withheld()
+                if wire.withheld_only_a_commit()
                     && self.own_commit_sent(&wire)
                     && wire.marks().since(self.begun) == Some(true) =>
             {
@@ -409,7 +409,12 @@ impl Tx {
             }
             Some(Settled::Answered) | None => {}
         }
-        let refusal = match self.ended_by_body() {
+        // What the body sent and idem's seal refused, unanswered on a
+        // closed connection, counts too (see `ended::body_end`).
+        let ended = self
+            .wire()
+            .and_then(|wire| ended::body_end(wire, self.begun));
+        let refusal = match ended {
             Some(committed) => CommitFailure::EndedByBody { committed },
             None if self.lost_track() => {
                 tracing::error!("the body dropped a savepoint's SAVEPOINT, RELEASE or ROLLBACK TO before its answer: the transaction's depth is unknown; closing the connection, nothing committed");

@@ -160,7 +160,13 @@ pub(super) fn after_body_commit(
         let unheld = Unheld(Some(request.key().to_owned()));
         Box::pin(async move {
             let mut unheld = unheld;
-            tx.roll_back(timeout).await;
+            // Its `ROLLBACK` is answered after the body's end: a `COMMIT`
+            // that failed (a deferred constraint) committed nothing, and
+            // there is nothing to hold.
+            if tx.roll_back_reading(timeout).await.ended == Some(false) {
+                unheld.0 = None;
+                return;
+            }
             hold_unknown(&pool, timeout, &request, Some(tx)).await;
             unheld.0 = None;
         })

@@ -26,6 +26,10 @@ pub(crate) struct Says {
     /// transaction back, unless it was a commit, which the server may run
     /// before it sees the connection end.
     pub(crate) commit: bool,
+    /// A statement is a `COMMIT`, `END` or `PREPARE`: the end itself may
+    /// commit (not only a statement after a `ROLLBACK`, which commits as
+    /// it runs).
+    pub(crate) commit_end: bool,
     /// A statement ends the transaction: `COMMIT`, `END`, `PREPARE
     /// TRANSACTION`, `ROLLBACK` or `ABORT` (not a `ROLLBACK TO` a
     /// savepoint). What the body sends after one would run outside idem's
@@ -47,6 +51,7 @@ impl Says {
         Says {
             chain: names_chain(text),
             commit: plain.commit || escaped.commit,
+            commit_end: plain.commit_end || escaped.commit_end,
             ends: plain.ends || escaped.ends,
             rollback_only: plain.rollback_only && escaped.rollback_only,
         }
@@ -62,6 +67,7 @@ impl std::ops::BitOrAssign for Says {
     fn bitor_assign(&mut self, other: Says) {
         self.chain |= other.chain;
         self.commit |= other.commit;
+        self.commit_end |= other.commit_end;
         self.ends |= other.ends;
         // Two statements: not a lone rollback any more (see `Observed`,
         // which never counts a `Sync`'s request as one).
@@ -81,6 +87,7 @@ fn names_chain(text: &[u8]) -> bool {
 /// One reading of a text's statements (see [`Says::of`]).
 struct Reading {
     commit: bool,
+    commit_end: bool,
     ends: bool,
     rollback_only: bool,
 }
@@ -90,6 +97,7 @@ impl Reading {
     fn of(text: &[u8], backslashes: bool) -> Reading {
         let mut reading = Reading {
             commit: false,
+            commit_end: false,
             ends: false,
             rollback_only: true,
         };
@@ -106,6 +114,7 @@ impl Reading {
                 let rollback = is(first, "abort") || is(first, "rollback") && !to;
                 let commits = is(first, "commit") || is(first, "end") || is(first, "prepare");
                 reading.commit |= commits || outside && !rollback;
+                reading.commit_end |= commits;
                 let prepares_a_statement = is(first, "prepare") && !is(second, "transaction");
                 reading.ends |= rollback || commits && !prepares_a_statement;
                 reading.rollback_only &= rollback;

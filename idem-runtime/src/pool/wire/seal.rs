@@ -96,9 +96,19 @@ impl Wire {
     /// ends. What was sent before it stays counted as sent: a request
     /// written behind the end in the same write (its answer will not be
     /// read now) counts as committed ([`Wire::unanswered_may_commit`]).
-    pub(super) fn on_sealed(&self) {
-        self.state().withheld = true;
+    /// `lone_commit`: what it refused was a lone `COMMIT` (idem's own).
+    pub(super) fn on_sealed(&self, lone_commit: bool) {
+        let mut state = self.state();
+        state.withheld = true;
+        state.withheld_commit = lone_commit;
+        drop(state);
         self.on_closed();
+    }
+
+    /// Whether the write the seal refused was a lone `COMMIT`, nothing of
+    /// the body's with it.
+    pub(crate) fn withheld_only_a_commit(&self) -> bool {
+        self.state().withheld_commit
     }
 
     /// Whether the seal refused a write: the request it held (idem's own

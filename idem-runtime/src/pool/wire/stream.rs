@@ -308,7 +308,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
             if this.wire.commit_in_flight() {
                 return Poll::Pending;
             }
-            this.wire.on_sealed();
+            this.wire.on_sealed(buf == LONE_COMMIT);
             return Poll::Ready(Err(io::Error::other(
                 "idem: the function's body ended idem's transaction itself; nothing more it sends goes out, and the connection is closed",
             )));
@@ -354,6 +354,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
 /// what the seal lets through (see [`Wire::guard`]). It writes nothing
 /// wherever it runs.
 const LONE_ROLLBACK: &[u8] = b"Q\0\0\0\x0dROLLBACK\0";
+
+/// A `COMMIT` alone, as diesel-async sends idem's.
+const LONE_COMMIT: &[u8] = b"Q\0\0\0\x0bCOMMIT\0";
 
 /// The error of a read or write after [`Wire::sever`].
 fn severed() -> io::Error {

@@ -45,11 +45,13 @@ impl Wire {
             .any(|sent| sent.ends && !sent.rollback_only)
     }
 
-    /// Whether a request that may commit (see [`Says`](super::says::Says))
-    /// is sent and unanswered, on a connection still open.
+    /// Whether a `COMMIT` (or `END`, `PREPARE`) is sent and unanswered, on
+    /// a connection still open: closed now, its outcome would be unknown.
+    /// (Not a statement after a `ROLLBACK`: it may run long, and is
+    /// cancelled.)
     pub(crate) fn commit_in_flight(&self) -> bool {
         let state = self.state();
-        !state.closed && state.sent.iter().any(|sent| sent.commit)
+        !state.closed && state.sent.iter().any(|sent| sent.commit_end)
     }
 
     /// Whether a request sent is unanswered on a connection still open:
