@@ -1,0 +1,599 @@
+//! Hostile pass (session 41) on 72134da: ends pipelined among other requests, the
+//! lone-`ROLLBACK` exemption, a slowed `COMMIT` (a deferred trigger) with writes
+//! behind it, long statements riding with an end, random drops. Counted in the DB.
+use super::*;
+use futures_util::future::{join_all, BoxFuture};
+use futures_util::FutureExt;
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use tokio::sync::Notify;
+const TEN: Duration = Duration::from_secs(10);
+type Res = Result<i64, AppError>;
+
+/// A `COMMIT` that takes `ms` and then succeeds or fails: a deferred trigger.
+const SLOWC: &str = "CREATE TABLE slowc (tag text NOT NULL, ms int NOT NULL, fail bool NOT NULL);
+    CREATE FUNCTION slowc_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+      PERFORM pg_sleep(NEW.ms / 1000.0);
+      IF NEW.fail THEN RAISE EXCEPTION 'slowc: the deferred check fails'; END IF;
+      RETURN NULL; END $$;
+    CREATE CONSTRAINT TRIGGER slowc_t AFTER INSERT ON slowc DEFERRABLE INITIALLY DEFERRED
+      FOR EACH ROW EXECUTE FUNCTION slowc_f();";
+
+/// One step of a body (`{k}`: the key). `Q`: `batch_execute` polled once and
+/// dropped; `W`: awaited, error ignored; `J`: the requests pipelined through
+/// `&AsyncPgConnection` with `join_all`, awaited (an `x:` prefix: through
+/// `diesel::sql_query`, the extended protocol); `Jq`: the same polled once and
+/// dropped; `Ms`: a sleep.
+#[rustfmt::skip]
+#[derive(Clone, Copy, Debug)]
+enum A { Q(&'static str), W(&'static str), J(&'static [&'static str]), Jq(&'static [&'static str]), Ms(u64) }
+use A::*;
+
+#[rustfmt::skip]
+mod ends { pub const OK: u8 = 0; pub const FINAL: u8 = 1; pub const PLAIN: u8 = 2;
+    pub const PANIC: u8 = 3; pub const HANG: u8 = 4; pub const INVALID: u8 = 5; }
+use ends::*;
+const N2: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 2)";
+const N3: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 3)";
+const XN2: &str = "x:INSERT INTO effects (tag, n) VALUES ('{k}', 2)";
+const XN3: &str = "x:INSERT INTO effects (tag, n) VALUES ('{k}', 3)";
+const OK3: &str = "INSERT INTO slowc VALUES ('{k}', 300, false)";
+const BAD3: &str = "INSERT INTO slowc VALUES ('{k}', 300, true)";
+const OK15: &str = "INSERT INTO slowc VALUES ('{k}', 1500, false)";
+const BAD15: &str = "INSERT INTO slowc VALUES ('{k}', 1500, true)";
+
+struct Q {
+    steps: &'static [A],
+    end: u8,
+}
+#[rustfmt::skip]
+const EMPTY: Q = Q { steps: &[], end: OK };
+
+fn pipe<'a>(c: &'a AsyncPgConnection, key: &str, parts: &[&str]) -> Vec<BoxFuture<'a, ()>> {
+    let f = |s: &&str| {
+        let s = s.replace("{k}", key);
+        async move {
+            let mut c = c;
+            match s.strip_prefix("x:") {
+                Some(x) => drop(diesel::sql_query(x).execute(&mut c).await),
+                None => drop(c.batch_execute(&s).await),
+            }
+        }
+        .boxed()
+    };
+    parts.iter().map(f).collect()
+}
+
+#[rustfmt::skip]
+async fn body(conn: &mut AsyncPgConnection, key: &str, q: &Q, reached: &Notify) -> Res {
+    let id = insert_effect(conn, key, 1).await?;
+    for step in q.steps {
+        match *step {
+            Q(s) => drop(conn.batch_execute(&s.replace("{k}", key)).now_or_never()),
+            W(s) => drop(conn.batch_execute(&s.replace("{k}", key)).await),
+            J(parts) => drop(join_all(pipe(conn, key, parts)).await),
+            Jq(parts) => drop(join_all(pipe(conn, key, parts)).now_or_never()),
+            Ms(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+        }
+    }
+    reached.notify_one();
+    match q.end {
+        OK => Ok(id),
+        FINAL => Err(AppError::Declined(Declined::InsufficientFunds { needed: 1 })),
+        PLAIN => Err(AppError::Timeout),
+        INVALID => Err(AppError::Invalid),
+        PANIC => panic!("session41: the body panics"),
+        _ => { tokio::time::sleep(Duration::from_secs(60)).await; Ok(id) }
+    }
+}
+
+macro_rules! local {
+    ($name:ident, $iso:ident) => {
+        #[idempotent(key = key, fingerprint(key), scope = none)]
+        #[retryable(max = 1, deadline_ms = 20000, commit_timeout_ms = 3000, isolation = $iso)]
+        async fn $name(conn: &mut AsyncPgConnection, key: &str, q: &Q, r: &Notify) -> Res {
+            body(conn, key, q, r).await
+        }
+    };
+}
+local!(s_rc, read_committed);
+local!(s_sr, serializable);
+
+#[idempotent(key = key, fingerprint(key), scope = none, mode = external)]
+#[retryable(max = 1, deadline_ms = 20000, commit_timeout_ms = 3000)]
+async fn s_ext(db: &mut Deferred<'_>, key: &str, q: &Q, r: &Notify) -> Res {
+    body(db.conn().await?, key, q, r).await
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum V {
+    Rc,
+    Sr,
+    Ext,
+}
+
+async fn call(pool: &Pool, v: V, key: &str, q: &Q, r: &Notify) -> Res {
+    let answer = match v {
+        V::Rc => s_rc(pool, key, q, r).await,
+        V::Sr => s_sr(pool, key, q, r).await,
+        V::Ext => s_ext(pool, key, q, r).await,
+    };
+    answer.map(|v| if v.replayed { -v.value } else { v.value })
+}
+
+/// One call; `HANG` is given up once the body reached its end, or after
+/// `drop_us` µs from the start when that is set.
+async fn one(pool: &Pool, v: V, key: &str, q: &Q, drop_us: Option<u64>) -> String {
+    let reached = Notify::new();
+    let call = AssertUnwindSafe(call(pool, v, key, q, &reached)).catch_unwind();
+    let out = |r: Result<Res, _>| r.map_or("panicked".to_owned(), |r| format!("{r:?}"));
+    if let Some(us) = drop_us {
+        let r = tokio::time::timeout(Duration::from_micros(us), call).await;
+        return r.map_or("dropped".to_owned(), out);
+    }
+    tokio::select! {
+        r = call => out(r),
+        () = reached.notified(), if q.end == HANG => "dropped".to_owned(),
+    }
+}
+
+const SEALED: u8 = 1; // no n = 2 row: nothing after the body's end ran
+const ANS: u8 = 2; // an answered call is TransactionEnded, committed: true over a commit
+const STRICT: u8 = 4; // no hold without an effect, also for dropped calls (claim 4)
+const NOREC: u8 = 8; // the key stays free (nothing committed, nothing stored)
+
+struct C(&'static str, V, &'static [A], &'static [u8], usize, u8);
+
+async fn n_of(env: &Env, key: &str, n: i64) -> i64 {
+    let sql = "SELECT count(*) FROM effects WHERE tag = $1 AND n = $2";
+    env.client.query_one(sql, &[&key, &n]).await.unwrap().get(0)
+}
+
+/// The invariants of one key after its call answered `ans`; repeats it once.
+#[rustfmt::skip]
+async fn check(env: &Env, pool: &Pool, v: V, key: &str, what: &str, f: u8, ans: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let effects = env.effects(key).await;
+    let (n1, n2) = (n_of(env, key, 1).await, n_of(env, key, 2).await);
+    let rec = env.record(key).await;
+    let (state, outcome) = rec.as_ref().map_or(("none".into(), "-".into()),
+        |(s, o, _)| (s.clone(), o.clone().unwrap_or_else(|| "-".into())));
+    let what = format!("{key} [{what}]: n1 {n1} all {effects}, record {state}/{outcome}, {ans}");
+    let mut bad = |b: &str| problems.push(format!("{what}: {b}"));
+    if n1 > 1 { bad("the body's effect committed twice"); }
+    if f & SEALED != 0 && n2 > 0 { bad("a write sent after the body's end ran"); }
+    let gone = ans == "dropped" || ans == "panicked";
+    if f & ANS != 0 && !gone {
+        if !ans.starts_with("Err(Idem(TransactionEnded") { bad("not answered TransactionEnded"); }
+        if effects > 0 && ans.contains("committed: false") { bad("committed: false over a commit"); }
+    }
+    if f & NOREC != 0 && rec.is_some() && v != V::Ext { bad("a record over nothing committed"); }
+    let held = matches!(state.as_str(), "unknown" | "in_progress");
+    match (state.as_str(), outcome.as_str()) {
+        ("none", _) if effects > 0 => bad("effect committed, no record"),
+        ("completed", "ok") if n1 == 0 => bad("an Ok record over an effect rolled back"),
+        ("completed", "error") if effects > 0 => bad("a decline stored over a committed effect"),
+        _ if held && effects == 0 && v != V::Ext && (f & STRICT != 0 || !gone) => bad("false hold"),
+        _ => {}
+    }
+    let again = tokio::time::timeout(TEN / 2, call(pool, v, key, &EMPTY, &Notify::new())).await;
+    let after = env.effects(key).await;
+    if rec.is_none() && after != effects + 1 { problems.push(format!("{what}: repeat {again:?}, effects then {after}")); }
+    if rec.is_some() && after != effects { problems.push(format!("{what}: held or done, repeat ran: {again:?}")); }
+    problems
+}
+
+async fn settle_holds(env: &Env, prefix: &str) {
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let like = format!("{prefix}-%");
+    let unheld = "SELECT count(DISTINCT tag) FROM effects e WHERE e.tag LIKE $1 AND NOT EXISTS \
+                  (SELECT 1 FROM idem_requests r WHERE r.key = e.tag)";
+    let none_unheld = || async {
+        let n: i64 = env.client.query_one(unheld, &[&like]).await.unwrap().get(0);
+        n == 0
+    };
+    if !eventually(TEN, none_unheld).await {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// No backend idle in a transaction or still sleeping; the pool still serves.
+async fn hygiene(env: &Env, pool: &Pool, prefix: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let idle = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                AND (state LIKE 'idle in transaction%' OR (state = 'active' AND query LIKE '%pg_sleep%' \
+                AND pid <> pg_backend_pid()))";
+    if !eventually(TEN, || async { env.scalar(idle).await == 0 }).await {
+        problems.push(format!(
+            "{prefix}: backends left idle in a transaction or sleeping"
+        ));
+    }
+    for i in 0..2 {
+        let key = format!("{prefix}-health-{i}");
+        let r = tokio::time::timeout(TEN, call(pool, V::Rc, &key, &EMPTY, &Notify::new())).await;
+        if !matches!(r, Ok(Ok(_))) || env.effects(&key).await != 1 {
+            problems.push(format!("{prefix}: a later call on the pool: {r:?}"));
+        }
+    }
+    problems
+}
+
+#[rustfmt::skip]
+async fn run(env: &Env, pool: &Pool, c: &C) -> (Vec<String>, String) {
+    let &C(prefix, v, steps, ends, trials, flags) = c;
+    let (mut keys, mut answers) = (Vec::new(), BTreeMap::<String, usize>::new());
+    for &end in ends {
+        for t in 0..trials {
+            let key = format!("{prefix}-{end}-{t}");
+            let (pool, k) = (pool.clone(), key.clone());
+            let task = tokio::spawn(async move { one(&pool, v, &k, &Q { steps, end }, None).await });
+            let answer = task.await.unwrap_or_else(|_| "task panicked".to_owned());
+            *answers.entry(format!("[end {end}] {}", answer.chars().take(60).collect::<String>())).or_default() += 1;
+            keys.push((key, end, answer));
+        }
+    }
+    settle_holds(env, prefix).await;
+    let mut problems = Vec::new();
+    for (key, end, answer) in &keys {
+        let what = format!("{steps:?} end {end}");
+        problems.extend(check(env, pool, v, key, &what, flags, answer).await);
+    }
+    problems.extend(hygiene(env, pool, prefix).await);
+    (problems, format!("{prefix}: {} calls; answers {answers:?}", keys.len()))
+}
+
+fn report(results: Vec<(Vec<String>, String)>) {
+    let mut all = Vec::new();
+    for (problems, summary) in results {
+        eprintln!("{summary}");
+        problems.iter().take(8).for_each(|p| eprintln!("  {p}"));
+        all.extend(problems);
+    }
+    let first = <[_]>::first(&all);
+    assert!(all.is_empty(), "{} problems: {first:?}", all.len());
+}
+
+async fn all(env: &Env, pool: &Pool, cs: &[C]) {
+    let mut results = Vec::new();
+    for c in cs {
+        results.push(run(env, pool, c).await);
+    }
+    report(results);
+}
+
+async fn env41(size: usize) -> Env {
+    let env = env(size).await;
+    env.client.batch_execute(SLOWC).await.expect("slowc");
+    env
+}
+
+const ALL_ENDS: &[u8] = &[OK, FINAL, PLAIN, PANIC, HANG];
+const ANSWERED: &[u8] = &[OK, FINAL, PLAIN];
+
+// ---------------------------------------------------------------------------
+
+/// Claim 1: requests pipelined in one write through `&AsyncPgConnection`
+/// (`join_all`), the end in the middle, simple and extended protocol mixed,
+/// awaited or polled once and dropped: nothing after the end runs, and the
+/// call is answered `TransactionEnded` (committed: true over a commit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack41_pipelined_ends_cut_what_follows() {
+    let env = env41(2).await;
+    #[rustfmt::skip]
+    let cs = [
+        C("p-c", V::Rc, &[J(&[N3, "COMMIT", N2, N2])], ALL_ENDS, 2, SEALED | ANS),
+        C("p-x", V::Rc, &[J(&[XN3, "COMMIT", XN2, N2])], ALL_ENDS, 2, SEALED | ANS),
+        C("p-xc", V::Rc, &[J(&[N3, "x:COMMIT", N2, XN2])], ALL_ENDS, 2, ANS),
+        C("p-xac", V::Rc, &[J(&["x:COMMIT AND CHAIN", N2, "COMMIT"])], ALL_ENDS, 2, ANS),
+        C("p-end", V::Sr, &[J(&["SELECT pg_sleep(0.05)", "END", N2])], ANSWERED, 2, SEALED | ANS),
+        C("p-ab", V::Rc, &[J(&["ABORT AND CHAIN", N2, "COMMIT"])], &[FINAL, PLAIN, PANIC, HANG], 2, SEALED | ANS | NOREC),
+        C("q-c", V::Rc, &[Jq(&[N3, "COMMIT", N2, N2]), Ms(50)], ALL_ENDS, 2, SEALED | ANS),
+        C("q-x", V::Rc, &[Jq(&["COMMIT", XN2]), Ms(30), Q(N2)], ALL_ENDS, 2, SEALED | ANS),
+        C("q-e", V::Ext, &[Jq(&[N3, "END", N2]), Ms(50)], &[OK, FINAL, INVALID, HANG], 2, SEALED | ANS),
+        C("q-ex", V::Ext, &[J(&["x:COMMIT", N2])], &[FINAL, INVALID, PLAIN], 2, ANS),
+    ];
+    all(&env, &env.pool, &cs).await;
+}
+
+/// Claim 1's exemption: a lone `ROLLBACK` after the end goes through, but
+/// nothing behind it (a `BEGIN; INSERT; COMMIT` after it, more lone
+/// `ROLLBACK`s, odd spellings of `ROLLBACK` that are not the exemption).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack41_lone_rollback_lets_nothing_else_through() {
+    let env = env41(2).await;
+    #[rustfmt::skip]
+    let cs = [
+        C("r-cr", V::Rc, &[J(&["COMMIT", "ROLLBACK", N2])], ALL_ENDS, 2, SEALED | ANS),
+        C("r-rr", V::Rc, &[J(&["ROLLBACK", "ROLLBACK", "ROLLBACK", N2])], &[FINAL, PLAIN], 2, SEALED | ANS | NOREC),
+        C("r-bg", V::Rc, &[J(&["END", "ROLLBACK", "BEGIN", N2, "COMMIT"])], ALL_ENDS, 2, SEALED | ANS),
+        C("r-lc", V::Rc, &[J(&["COMMIT", "rollback", N2])], ANSWERED, 2, SEALED | ANS),
+        C("r-sc", V::Rc, &[J(&["COMMIT", "ROLLBACK;", N2])], ANSWERED, 2, SEALED | ANS),
+        C("r-sp", V::Rc, &[J(&["COMMIT", " ROLLBACK ", N2])], ANSWERED, 2, SEALED | ANS),
+        C("r-x", V::Rc, &[J(&["COMMIT", "x:ROLLBACK", N2])], ANSWERED, 2, SEALED | ANS),
+        C("r-ac", V::Rc, &[J(&["ROLLBACK AND CHAIN", "ROLLBACK", N2, "COMMIT"])], &[FINAL, PLAIN], 2, SEALED | ANS | NOREC),
+        C("r-w", V::Rc, &[W("COMMIT"), W("ROLLBACK"), W(N2), W("ROLLBACK"), W(N2)], ALL_ENDS, 2, SEALED | ANS),
+        C("r-q", V::Rc, &[Q("COMMIT"), Q("ROLLBACK"), Q(N2), Ms(20), W(N2)], ALL_ENDS, 2, SEALED | ANS),
+        C("r-ex", V::Ext, &[Q("ROLLBACK"), Q("ROLLBACK"), Q(N2), Ms(20)], &[OK, INVALID], 2, SEALED | ANS),
+    ];
+    all(&env, &env.pool, &cs).await;
+}
+
+/// Claim 2 and 4: a `COMMIT` slowed by a deferred trigger (300 ms or 1.5 s),
+/// succeeding or failing, with writes queued behind it, the call answered,
+/// panicking or dropped while the `COMMIT` runs. A commit is held, a failed
+/// `COMMIT` leaves the key free (no hold without an effect, dropped or not),
+/// nothing behind the `COMMIT` runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack41_slow_commit_in_flight_is_awaited() {
+    let env = env41(2).await;
+    let one = pool_of(&env.db, 1);
+    #[rustfmt::skip]
+    let cs = [
+        C("s-ok", V::Rc, &[W(OK3), Q("COMMIT"), Q(N2)], &[FINAL, PLAIN], 2, SEALED | ANS | STRICT),
+        C("s-bad", V::Rc, &[W(BAD3), Q("COMMIT"), Q(N2)], ANSWERED, 2, SEALED | ANS | STRICT | NOREC),
+        C("s-okw", V::Rc, &[W(OK15), Q("COMMIT"), Ms(30), W(N2)], &[OK, FINAL, HANG], 2, SEALED | ANS | STRICT),
+        C("s-badw", V::Rc, &[W(BAD15), Q("COMMIT"), Ms(30), W(N2)], &[OK, FINAL, HANG], 2, SEALED | ANS | STRICT | NOREC),
+        C("s-j", V::Rc, &[W(BAD3), Jq(&["COMMIT", N2, XN2]), Ms(30), Q(N2)], ANSWERED, 2, SEALED | ANS | STRICT | NOREC),
+        C("s-jok", V::Sr, &[W(OK3), J(&["COMMIT", "ROLLBACK", N2])], &[OK, FINAL, INVALID], 2, SEALED | ANS | STRICT),
+        C("s-ex", V::Ext, &[W(OK3), Q("COMMIT"), Q(N2)], &[OK, FINAL, INVALID, HANG], 2, SEALED | ANS),
+        C("s-exb", V::Ext, &[W(BAD3), Q("COMMIT"), Q(N2)], &[FINAL, INVALID], 2, SEALED | ANS),
+    ];
+    let mut results = vec![
+        run(
+            &env,
+            &one,
+            &C(
+                "s-1",
+                V::Rc,
+                &[W(BAD3), Q("COMMIT"), Q(N2)],
+                ANSWERED,
+                3,
+                SEALED | STRICT | NOREC,
+            ),
+        )
+        .await,
+    ];
+    for c in &cs {
+        results.push(run(&env, &env.pool, c).await);
+    }
+    report(results);
+}
+
+/// Claim 2's other half: a long statement riding with an end (no `COMMIT`
+/// in flight) is refused at once and cancelled: the call does not wait for
+/// it, the statement stops, the INSERT after it never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack41_long_statement_with_an_end_is_cancelled() {
+    let env = env41(2).await;
+    if env.db.via().is_transaction_pooling() {
+        return; // no cancel behind a transaction pooler (documented)
+    }
+    #[rustfmt::skip]
+    const CASES: [&[A]; 2] = [
+        &[J(&["ROLLBACK", "SELECT pg_sleep(6)", N2])],
+        &[Q("ROLLBACK AND CHAIN; SELECT pg_sleep(6); INSERT INTO effects (tag, n) VALUES ('{k}', 2)"), Ms(50), W(N2)],
+    ];
+    let mut bad = Vec::new();
+    for (i, steps) in CASES.iter().enumerate() {
+        for end in [OK, FINAL, HANG] {
+            let key = format!("lc-{i}-{end}");
+            let t0 = Instant::now();
+            let ans = one(&env.pool, V::Rc, &key, &Q { steps, end }, None).await;
+            let took = t0.elapsed();
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            let sleeping = env.scalar("SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(6)%' AND state = 'active' AND pid <> pg_backend_pid()").await;
+            let (n1, n2) = (n_of(&env, &key, 1).await, n_of(&env, &key, 2).await);
+            eprintln!("{key}: {ans} in {took:?}; sleeping {sleeping}, n1 {n1} n2 {n2}");
+            if took > Duration::from_millis(2500) || sleeping > 0 || n1 + n2 > 0 {
+                bad.push(format!(
+                    "{key} {steps:?}: {ans} in {took:?}; sleeping {sleeping}, n1 {n1} n2 {n2}"
+                ));
+            }
+        }
+    }
+    let h = hygiene(&env, &env.pool, "lc").await;
+    assert!(
+        bad.is_empty() && h.is_empty(),
+        "{} of 6: {bad:?} {h:?}",
+        bad.len()
+    );
+}
+
+/// Claim 4: calls dropped at random moments (0-700 ms) while their bodies
+/// queue a slowed `COMMIT` (that succeeds or fails) and writes behind it,
+/// concurrently, on pools of one and two: no effect without its key held,
+/// no key held without an effect, nothing after the `COMMIT` runs.
+async fn storm(env: &Env, pool: &Pool, prefix: &str, v: V, seed: u64) -> (Vec<String>, String) {
+    #[rustfmt::skip]
+    const STEPS: [&[A]; 6] = [
+        &[W(OK3), Q("COMMIT"), Q(N2), Ms(5)],
+        &[W(BAD3), Q("COMMIT"), Q(N2), Ms(5)],
+        &[W(BAD3), Jq(&[N3, "COMMIT", N2]), Ms(20), Q(N2)],
+        &[W(OK3), J(&["COMMIT", "ROLLBACK", N2])],
+        &[Jq(&["COMMIT", XN2]), Ms(10), W(N2)],
+        &[W(BAD3), Q("COMMIT"), Ms(10), W("ROLLBACK"), W(N2)],
+    ];
+    let mut x = seed;
+    #[rustfmt::skip]
+    let mut rnd = move |m: u64| { x ^= x << 13; x ^= x >> 7; x ^= x << 17; x % m };
+    let mut tasks = Vec::new();
+    for t in 0..36 {
+        let key = format!("{prefix}-{t}");
+        let steps = STEPS[rnd(6) as usize];
+        let (end, us) = ([OK, FINAL, PLAIN, HANG][rnd(4) as usize], rnd(700_000));
+        let (pool, k) = (pool.clone(), key.clone());
+        let task =
+            tokio::spawn(async move { one(&pool, v, &k, &Q { steps, end }, Some(us)).await });
+        tasks.push((key, format!("{steps:?} end {end} drop {us}us"), task));
+    }
+    let mut done = Vec::new();
+    for (key, what, task) in tasks {
+        done.push((key, what, task.await.unwrap_or_else(|_| "panicked".into())));
+    }
+    settle_holds(env, prefix).await;
+    let (mut problems, mut answers) = (Vec::new(), BTreeMap::<String, usize>::new());
+    for (key, what, ans) in &done {
+        *answers.entry(ans.chars().take(30).collect()).or_default() += 1;
+        let f = SEALED;
+        problems.extend(check(env, pool, v, key, what, f, ans).await);
+    }
+    problems.extend(hygiene(env, pool, prefix).await);
+    (problems, format!("{prefix}: 36 calls; {answers:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack41_storm_of_drops_around_a_slow_commit() {
+    let env = env41(3).await;
+    let (one, two) = (pool_of(&env.db, 1), pool_of(&env.db, 2));
+    report(vec![
+        storm(&env, &one, "ct1", V::Rc, 0xdead_beef).await,
+        storm(&env, &one, "st1", V::Rc, 0x9e37_79b9).await,
+        storm(&env, &two, "st2", V::Rc, 0x7f4a_7c15).await,
+        storm(&env, &two, "st3", V::Sr, 0x1234_5678).await,
+    ]);
+}
+
+async fn calls(
+    env: &Env,
+    p: &str,
+    cases: &[(&'static [A], u8)],
+    trials: usize,
+) -> Vec<(String, String, Duration)> {
+    let mut out = Vec::new();
+    for t in 0..trials {
+        for (i, &(steps, end)) in cases.iter().enumerate() {
+            let (pool, key) = (env.pool.clone(), format!("{p}-{i}-{end}-{t}"));
+            let k = key.clone();
+            let t0 = Instant::now();
+            let task =
+                tokio::spawn(async move { one(&pool, V::Rc, &k, &Q { steps, end }, None).await });
+            let ans = task.await.unwrap_or_else(|_| "task panicked".into());
+            out.push((key, format!("{steps:?} end {end}: {ans}"), t0.elapsed()));
+        }
+    }
+    settle_holds(env, p).await;
+    out
+}
+
+/// Found (fixed): a body that ends with `ROLLBACK` (or `ABORT AND CHAIN`) and has more
+/// requests pipelined behind it (`join_all`), then returns `Ok`, is answered
+/// `Exhausted { last_cause: ConnectionLost }` instead of `TransactionEnded {
+/// committed: false }`; with a final or plain error it
+/// gets `TransactionEnded`. 2 of 2 per shape in the pass, 9 of 9 here; nothing
+/// commits (asserted). Promise: such a body gets `TransactionEnded`.
+/// Fixed (session 40): the refused write closed the connection before the
+/// `ROLLBACK`'s answer was read; `Tx::refuse` now counts what the seal
+/// withheld, and unanswered ends, as the body's end (`ended::body_end`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn found_pipelined_rollback_then_ok_answers_connection_lost() {
+    let env = env41(2).await;
+    #[rustfmt::skip]
+    let cases: &[(&'static [A], u8)] = &[(&[J(&["ROLLBACK", "ROLLBACK", N2])], OK),
+        (&[J(&["ABORT AND CHAIN", N2, "COMMIT"])], OK), (&[J(&["ROLLBACK", "SELECT pg_sleep(6)", N2])], OK)];
+    let mut bad = Vec::new();
+    for (key, ans, _) in calls(&env, "fr", cases, 3).await {
+        assert_eq!(
+            env.effects(&key).await,
+            0,
+            "{key}: {ans}: nothing may commit"
+        );
+        assert!(
+            env.record(&key).await.is_none(),
+            "{key}: {ans}: key must stay free"
+        );
+        if !ans.contains("Err(Idem(TransactionEnded { committed: false") {
+            bad.push(ans);
+        }
+    }
+    assert!(bad.is_empty(), "{} of 9: {bad:?}", bad.len());
+}
+
+/// Found (fixed): a long statement in the same request as a plain `ROLLBACK` or `ABORT`
+/// (`batch_execute("ROLLBACK; SELECT pg_sleep(6)")`, polled once or pipelined),
+/// then another write: that write is not refused at once; the call waits the
+/// whole 6 s (past `commit_timeout_ms` = 3 s): 2 of 2 here, 6 of 6 in the pass.
+/// With `ROLLBACK AND CHAIN` or separate requests it is refused in ~15 ms. Promise (claim 2): a long statement sent with an end, no
+/// `COMMIT` in flight, is refused at once and cancelled. Fixed (session 40):
+/// the refusal waited for any request that may commit; it waits now only for
+/// an unanswered `COMMIT`, `END` or `PREPARE` (`Says::commit_end`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn found_long_statement_after_a_plain_rollback_is_awaited_not_cancelled() {
+    let env = env41(2).await;
+    if env.db.via().is_transaction_pooling() {
+        return; // no cancel behind a transaction pooler (documented)
+    }
+    #[rustfmt::skip]
+    let cases: &[(&'static [A], u8)] = &[(&[Q("ROLLBACK; SELECT pg_sleep(6)"), Ms(50), W(N2)], OK),
+        (&[J(&["ABORT; SELECT pg_sleep(6)", N2])], FINAL)];
+    let mut bad = Vec::new();
+    for (key, ans, took) in calls(&env, "fl", cases, 1).await {
+        assert_eq!(
+            n_of(&env, &key, 2).await + n_of(&env, &key, 1).await,
+            0,
+            "{key}: {ans}"
+        );
+        if took > Duration::from_millis(2500) {
+            bad.push(format!("{ans} in {took:?}"));
+        }
+    }
+    assert!(bad.is_empty(), "{} of 2: {bad:?}", bad.len());
+}
+
+/// Found (fixed): a local call dropped (or its body panicking) while the body's queued
+/// `COMMIT` runs and then fails (a 300 ms deferred check, within
+/// `commit_timeout_ms`), writes queued behind it: nothing commits, yet the key
+/// is held `unknown` (6 and 5 of 6 in two runs; 9 storm keys; answered calls leave
+/// it free). Promise (claim 4): never a key held without an effect. Fixed
+/// (session 40): the hand-off held the key whatever its `ROLLBACK`'s answer
+/// said; a body's end that committed nothing is now not held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn found_dropped_call_holds_its_key_over_a_failed_commit() {
+    let env = env41(2).await;
+    #[rustfmt::skip]
+    let cases: &[(&'static [A], u8)] = &[(&[W(BAD3), Jq(&["COMMIT", N2, XN2]), Ms(30), Q(N2)], HANG),
+        (&[W(BAD3), Jq(&["COMMIT", N2, XN2]), Ms(30), Q(N2)], PANIC), (&[W(BAD3), Q("COMMIT"), Q(N2)], HANG)];
+    let mut bad = Vec::new();
+    for (key, ans, _) in calls(&env, "fd", cases, 2).await {
+        assert_eq!(
+            env.effects(&key).await,
+            0,
+            "{key}: {ans}: nothing may commit"
+        );
+        if let Some(rec) = env.record(&key).await {
+            bad.push(format!("{ans}: held {rec:?} over nothing"));
+        }
+    }
+    assert!(bad.is_empty(), "{} of 6: {bad:?}", bad.len());
+}
+
+/// Found (fixed): a body that queues `COMMIT` (slowed by a 300 ms deferred check, or not)
+/// and an INSERT behind it, both polled once, and returns `Ok` is answered `Ok`
+/// with a `completed/ok` record: 2 of 2 in the pass, 4 of 4 here; waiting 30 ms
+/// before the INSERT, or an error end, gives `TransactionEnded`. The data is
+/// whole (effect once, INSERT never ran, effect and record share one xmin: the
+/// body's `COMMIT` never reached the server). Promise: a body that runs `COMMIT`
+/// itself, also one polled once and never awaited, gets `TransactionEnded`,
+/// never `Ok`. Fixed (session 40): the record rode on the body's `COMMIT` (the
+/// same text); that is taken for idem's only when what the seal then refused
+/// was idem's lone `COMMIT`, nothing of the body's (`withheld_only_a_commit`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn found_queued_commit_and_insert_then_ok_is_answered_ok() {
+    let env = env41(2).await;
+    #[rustfmt::skip]
+    let cases: &[(&'static [A], u8)] = &[(&[W(OK3), Q("COMMIT"), Q(N2)], OK), (&[Q("COMMIT"), Q(N2)], OK)];
+    let mut bad = Vec::new();
+    for (key, ans, _) in calls(&env, "fo", cases, 2).await {
+        assert_eq!(
+            (n_of(&env, &key, 1).await, n_of(&env, &key, 2).await),
+            (1, 0),
+            "{key}: {ans}"
+        );
+        if !ans.contains("TransactionEnded { committed: true") {
+            let q = "SELECT (SELECT xmin::text FROM effects WHERE tag = $1) || '/' || \
+                     coalesce((SELECT xmin::text FROM idem_requests WHERE key = $1), '-')";
+            let x: String = env.client.query_one(q, &[&key]).await.unwrap().get(0);
+            bad.push(format!("{ans}: xmin effect/record {x}"));
+        }
+    }
+    assert!(bad.is_empty(), "{} of 4: {bad:?}", bad.len());
+}
