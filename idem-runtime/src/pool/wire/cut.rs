@@ -6,6 +6,7 @@
 //! Written up to the end, the rest comes back in the next write, which the
 //! seal then holds.
 
+use super::frame;
 use super::says::Says;
 
 /// Where `buf` is cut: just past the first request that ends the
@@ -24,13 +25,12 @@ pub(super) fn end_cut(buf: &[u8], start: usize, named: &[(Vec<u8>, Says)]) -> Op
             b'Q' => Says::of(body.strip_suffix(&[0]).unwrap_or(body)).ends || bound.ends,
             b'S' => bound.ends,
             b'P' => {
-                let mut fields = body.split(|b| *b == 0);
-                let name = fields.next().unwrap_or_default();
-                parsed.push((name, Says::of(fields.next().unwrap_or_default())));
+                let (name, text) = frame::parsed(body);
+                parsed.push((name, Says::of(text)));
                 continue;
             }
             b'B' => {
-                let statement = body.split(|b| *b == 0).nth(1).unwrap_or_default();
+                let statement = frame::bound(body);
                 let said = parsed
                     .iter()
                     .rev()

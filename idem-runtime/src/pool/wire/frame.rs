@@ -185,3 +185,15 @@ pub(super) fn fatal(body: &[u8]) -> bool {
     let severity = field(body, b'V').or_else(|| field(body, b'S'));
     matches!(severity, Some(b"FATAL" | b"PANIC"))
 }
+
+/// A `Parse` body's statement name and text.
+pub(super) fn parsed(body: &[u8]) -> (&[u8], &[u8]) {
+    let mut fields = body.split(|b| *b == 0);
+    let name = fields.next().unwrap_or_default();
+    (name, fields.next().unwrap_or_default())
+}
+
+/// The name of the statement a `Bind` body binds (after its portal's).
+pub(super) fn bound(body: &[u8]) -> &[u8] {
+    body.split(|b| *b == 0).nth(1).unwrap_or_default()
+}

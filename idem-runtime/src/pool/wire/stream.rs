@@ -14,7 +14,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream};
 use tokio_postgres::Socket;
 
-use super::frame::{fatal, sqlstate, Framer, KEPT};
+use super::frame::{bound, fatal, parsed, sqlstate, Framer, KEPT};
 use super::says::Says;
 use super::Wire;
 
@@ -114,9 +114,7 @@ impl<S> Observed<S> {
                 }
                 b'S' => requests.push(std::mem::take(says)),
                 b'P' => {
-                    let mut fields = body.split(|b| *b == 0);
-                    let name = fields.next().unwrap_or_default();
-                    let text = fields.next().unwrap_or_default();
+                    let (name, text) = parsed(body);
                     named.retain(|(n, _)| n != name);
                     let said = Says::of(text);
                     if said.any() {
@@ -124,7 +122,7 @@ impl<S> Observed<S> {
                     }
                 }
                 b'B' => {
-                    let statement = body.split(|b| *b == 0).nth(1).unwrap_or_default();
+                    let statement = bound(body);
                     if let Some((_, said)) = named.iter().find(|(n, _)| n == statement) {
                         *says |= *said;
                     }
