@@ -540,12 +540,12 @@ async fn found_long_statement_after_a_plain_rollback_is_awaited_not_cancelled() 
 }
 
 /// Found (fixed): a local call dropped (or its body panicking) while the body's queued
-/// `COMMIT` runs and then fails (a 300 ms deferred check, within
-/// `commit_timeout_ms`), writes queued behind it: nothing commits, yet the key
-/// is held `unknown` (6 and 5 of 6 in two runs; 9 storm keys; answered calls leave
-/// it free). Promise (claim 4): never a key held without an effect. Fixed
-/// (session 40): the hand-off held the key whatever its `ROLLBACK`'s answer
-/// said; a body's end that committed nothing is now not held.
+/// `COMMIT` runs and then fails (a 300 ms deferred check), writes queued behind it:
+/// nothing commits, yet the key is held `unknown` (6 and 5 of 6 in two runs).
+/// Promise (claim 4): never a key held without an effect. Fixed (session 40): the
+/// hand-off held the key whatever its `ROLLBACK`'s answer said. Still 1 in 4 runs
+/// (the third shape): a `COMMIT` written while the drop's sever waited for the
+/// write under way, its answer cut off. Fixed (session 42): `Wire::sever_unless`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_dropped_call_holds_its_key_over_a_failed_commit() {
     let env = env41(2).await;

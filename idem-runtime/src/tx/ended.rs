@@ -184,9 +184,8 @@ impl Tx {
     /// task, which can write it on another thread after this drop looked).
     /// Unless the wire already says the body committed, nothing more is
     /// written (the connection is closing anyway), so that what it says
-    /// next is final. A `COMMIT` that got out meanwhile: discarded, which
-    /// keeps its slot for what follows the body's commit (see
-    /// [`Tx::discard`]).
+    /// next is final. A `COMMIT` that got out meanwhile: left to be answered,
+    /// for what follows the body's commit (see [`Tx::after_body_commit`]).
     pub(super) fn stop_writing_unless_committed(&mut self) {
         let Some(conn) = self.conn.as_ref() else {
             return;
@@ -194,10 +193,13 @@ impl Tx {
         if !self.open || !conn.holds_its_session() || self.body_committed(conn.wire()) {
             return;
         }
-        conn.wire().sever();
-        if self.after_body_commit.is_some() && self.body_committed(conn.wire()) {
-            self.discard();
-        }
+        // A `COMMIT` the body queued, written while this waited for the
+        // write under way: not severed, so that its answer is still read.
+        // The seal holds back what the body queued behind it until then
+        // (see `Wire::guard`), and the hand-off reads how it ended.
+        let handed_off = self.after_body_commit.is_some();
+        conn.wire()
+            .sever_unless(|wire| handed_off && self.body_committed(wire));
     }
 
     /// See [`Tx::after_body_commit`]: whether this drop handed the

@@ -56,13 +56,24 @@ impl Wire {
     /// body queued in tokio-postgres before it was dropped, a `COMMIT`
     /// say) is finished and counted first, and none starts after.
     pub(crate) fn sever(&self) {
+        self.sever_unless(|_| false);
+    }
+
+    /// [`Wire::sever`], unless `spare` says otherwise of the wire once a
+    /// write under way is counted (and before another starts): whether it
+    /// severed.
+    pub(crate) fn sever_unless(&self, spare: impl FnOnce(&Wire) -> bool) -> bool {
         let writing = self.writing();
+        if spare(self) {
+            return false;
+        }
         self.severed.store(true, Ordering::Release);
         drop(writing);
         let waiting = self.reader.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(waker) = waiting {
             waker.wake();
         }
+        true
     }
 
     /// Held through a write and its count: see [`Wire::sever`].
