@@ -391,36 +391,6 @@ async fn attack_drop_storm_of_random_drops_on_a_small_pool() {
     assert!(bad.is_empty(), "{report}");
 }
 
-/// idem's log, as text.
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Log {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Log {
-    /// The lines naming `key` and containing `with` (" ERROR ", say).
-    fn lines(&self, key: &str, with: &str) -> Vec<String> {
-        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
-        let lines = text.lines().filter(|l| l.contains(key) && l.contains(with));
-        lines.map(str::to_owned).collect()
-    }
-
-    /// A subscriber writing to this log.
-    fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
-        let log = self.clone();
-        let fmt = tracing_subscriber::fmt().with_ansi(false);
-        fmt.with_writer(move || log.clone()).finish()
-    }
-}
-
 /// On a thread of its own, logging to `log`: a current-thread runtime runs
 /// a call whose body commits by hand, then waits; once `stop` is told, the
 /// runtime is dropped (a service shutting down with the call in flight).

@@ -381,3 +381,33 @@ where
     }
     true
 }
+
+/// idem's log, as text.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Log {
+    /// The lines naming `key` and containing `with` (" ERROR ", say).
+    fn lines(&self, key: &str, with: &str) -> Vec<String> {
+        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+        let lines = text.lines().filter(|l| l.contains(key) && l.contains(with));
+        lines.map(str::to_owned).collect()
+    }
+
+    /// A subscriber writing to this log.
+    fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
+        let log = self.clone();
+        let fmt = tracing_subscriber::fmt().with_ansi(false);
+        fmt.with_writer(move || log.clone()).finish()
+    }
+}

@@ -178,3 +178,58 @@ async fn a_queued_commit_the_record_rode_on_is_answered_ok() {
         assert_eq!(env.effects(&key).await, 1, "{key}: replayed, not run");
     }
 }
+
+/// Effect, then `COMMIT` by hand and a second write queued behind it (each
+/// polled once), then `Ok`.
+#[idempotent(key = key, fingerprint(key), scope = none)]
+#[retryable(max = 1, deadline_ms = 20000, commit_timeout_ms = 3000)]
+async fn queues_commit_and_a_write(
+    conn: &mut AsyncPgConnection,
+    key: &str,
+) -> Result<i64, AppError> {
+    let id = insert_effect(conn, key, 1).await?;
+    drop(conn.batch_execute("COMMIT").now_or_never());
+    let sql = format!("INSERT INTO effects (tag, n) VALUES ('{key}', 2)");
+    drop(conn.batch_execute(&sql).now_or_never());
+    Ok(id)
+}
+
+/// On a current-thread runtime: the record rides on the body's queued
+/// `COMMIT` (the same text) and commits with its effect; the write queued
+/// behind it is withheld. The body's end is the answer (`TransactionEnded`,
+/// committed: the write it asked for never ran); the record, committed with
+/// the effect, is what a repeat finds. (The call then went on to hold the
+/// key as outcome unknown, found the record and logged an error that
+/// another request of its key had run.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_record_that_rode_before_a_withheld_write_is_not_held_again() {
+    let env = env(2).await;
+    let log = Log::default();
+    let _default = tracing::subscriber::set_default(log.subscriber());
+    for i in 0..3 {
+        let key = format!("rode-withheld-{i}");
+        let first = queues_commit_and_a_write(&env.pool, &key).await;
+        assert!(
+            matches!(
+                first,
+                Err(AppError::Idem(idem::Error::TransactionEnded {
+                    committed: true
+                }))
+            ),
+            "{key}: {first:?}"
+        );
+        let n2 = "SELECT count(*) FROM effects WHERE tag = $1 AND n = 2";
+        let n2: i64 = env.client.query_one(n2, &[&key]).await.unwrap().get(0);
+        assert_eq!((env.effects(&key).await, n2), (1, 0), "{key}");
+        let rec = env.record(&key).await;
+        let state = rec.as_ref().map(|(s, o, _)| (s.as_str(), o.as_deref()));
+        assert_eq!(state, Some(("completed", Some("ok"))), "{key}");
+        let again = queues_commit_and_a_write(&env.pool, &key).await;
+        assert!(matches!(&again, Ok(v) if v.replayed), "{key}: {again:?}");
+        assert_eq!(env.effects(&key).await, 1, "{key}: replayed, not run");
+    }
+    let errors = log.lines("", " ERROR ");
+    assert!(errors.is_empty(), "{errors:?}");
+    let holds = log.lines("rode-withheld-", "outcome unknown");
+    assert!(holds.is_empty(), "{holds:?}");
+}

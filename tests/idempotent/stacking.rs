@@ -86,21 +86,7 @@ async fn instrumented(conn: &mut AsyncPgConnection, key: &str, n: i64) -> Result
     insert_effect(conn, "instrumented", n).await
 }
 
-/// A `tracing` writer into a shared buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
+impl Log {
     /// The spans opened, each as its line's context (`outer:inner`).
     fn opened(&self) -> Vec<String> {
         let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
@@ -121,7 +107,7 @@ impl Captured {
 #[tokio::test(flavor = "current_thread")]
 async fn instrument_below_both_spans_each_call_with_its_retry_loop_inside() {
     let env = env(1).await;
-    let captured = Captured::default();
+    let captured = Log::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(move || writer.clone())

@@ -12,9 +12,11 @@ impl RetryLoop<'_> {
     /// Whether the call was answered `TransactionEnded { committed: true }`:
     /// the body ended the transaction itself, and what it had written was
     /// (or may have been) committed without anything of idem's that rides
-    /// on idem's own `COMMIT` (a local idempotent call's record).
+    /// on idem's own `COMMIT` (a local idempotent call's record). Not when
+    /// that record rode on the body's `COMMIT` after all (the same text,
+    /// queued), committed with its writes: the record is what a repeat finds.
     pub fn body_committed(&self) -> bool {
-        self.body_ended == Some(true)
+        self.body_ended == Some(true) && !self.recorded
     }
 
     /// Whether the call was answered `TransactionEnded { committed }`: the

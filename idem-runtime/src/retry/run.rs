@@ -133,6 +133,9 @@ pub struct RetryLoop<'p> {
     /// `Some(true)` when that committed what it had written (or may have),
     /// see [`RetryLoop::body_ended`].
     pub(super) body_ended: Option<bool>,
+    /// What the body ended had idem's ride (a local call's record) go out
+    /// on its own `COMMIT`, committed with its writes.
+    pub(super) recorded: bool,
     /// The attempt whose body committed by hand, rolled back, its
     /// connection kept until [`RetryLoop::take_ended`] (or the loop's end).
     pub(super) ended: Option<Attempt>,
@@ -166,6 +169,7 @@ impl<'p> RetryLoop<'p> {
             immediate_repeats: 0,
             unknown_commit: false,
             body_ended: None,
+            recorded: false,
             ended: None,
             span,
         }
@@ -478,7 +482,13 @@ impl<'p> RetryLoop<'p> {
                 "commit_unknown",
             ),
             CommitFailure::RolledBack(_) => (Error::RolledBack, "rolled_back"),
-            CommitFailure::EndedByBody { committed } => return self.answer_ended(committed),
+            CommitFailure::EndedByBody {
+                committed,
+                recorded,
+            } => {
+                self.recorded = recorded;
+                return self.answer_ended(committed);
+            }
             CommitFailure::Failed(err) => (Error::Commit(err), "commit_failed"),
             CommitFailure::SavepointOpen => (Error::SavepointOpen, "savepoint_open"),
             CommitFailure::Replaced => (Error::ConnectionReplaced, "connection_replaced"),

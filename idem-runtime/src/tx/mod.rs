@@ -100,6 +100,10 @@ pub enum CommitFailure {
     EndedByBody {
         /// Something was committed.
         committed: bool,
+        /// What was to ride on idem's `COMMIT` (a local call's record)
+        /// rode on the body's and committed with it: there is nothing to
+        /// hold for what the body committed.
+        recorded: bool,
     },
     /// The body left a savepoint open (a `conn.transaction(..)` whose future
     /// it dropped, say), so diesel-async's `COMMIT` was a `RELEASE
@@ -324,11 +328,18 @@ impl Tx {
                 self.discard();
                 Ok(())
             }
+            // The same ride, with something of the body's behind that
+            // `COMMIT` withheld: the body's end stands as its answer, the
+            // record, committed with its writes, as what a repeat finds.
             Ok(Err(_)) if wire.withheld() => {
                 tracing::warn!("the body sent an end of the transaction of its own after idem looked (a request it had queued); COMMIT was not sent, and the connection is closed");
                 let committed = ended::committed_since(&wire, self.begun);
+                let recorded = committed && self.own_commit_sent(&wire);
                 self.discard();
-                Err(CommitFailure::EndedByBody { committed })
+                Err(CommitFailure::EndedByBody {
+                    committed,
+                    recorded,
+                })
             }
             // A statement still in flight when COMMIT was sent failed (a
             // future the body dropped): the server said ROLLBACK.
@@ -399,7 +410,10 @@ impl Tx {
             Some(Settled::MayHaveCommitted) => {
                 tracing::warn!("a COMMIT the body sent is unanswered; closing the connection, counted as committed");
                 self.cancel_and_discard();
-                return Some(CommitFailure::EndedByBody { committed: true });
+                return Some(CommitFailure::EndedByBody {
+                    committed: true,
+                    recorded: false,
+                });
             }
             Some(Settled::Running) => {
                 tracing::warn!("a statement of the transaction still runs at COMMIT (its future was dropped?); rolling back");
@@ -415,7 +429,10 @@ impl Tx {
             .wire()
             .and_then(|wire| ended::body_end(wire, self.begun));
         let refusal = match ended {
-            Some(committed) => CommitFailure::EndedByBody { committed },
+            Some(committed) => CommitFailure::EndedByBody {
+                committed,
+                recorded: false,
+            },
             None if self.lost_track() => {
                 tracing::error!("the body dropped a savepoint's SAVEPOINT, RELEASE or ROLLBACK TO before its answer: the transaction's depth is unknown; closing the connection, nothing committed");
                 self.discard();
