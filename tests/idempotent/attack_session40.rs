@@ -1,168 +1,14 @@
 //! Hostile pass (session 40): ends the body queues or sends spelled oddly, hidden from a
 //! lexer, sent by prepared name, nested in savepoints; legitimate savepoint work that
 //! must not be refused; random drops. Everything counted in the database.
+use super::kit::*;
 use super::*;
-use futures_util::FutureExt;
 use std::collections::BTreeMap;
-use std::panic::AssertUnwindSafe;
 use tokio::sync::Notify;
-const TEN: Duration = Duration::from_secs(10);
-type Res = Result<i64, AppError>;
-
-/// Polls `f` once, whether or not it is ready.
-async fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> std::task::Poll<F::Output> {
-    std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut *f).poll(cx))).await
-}
-
-/// One step of a body (`{k}`: the key). `Q`: `batch_execute` polled once,
-/// then dropped (queued in tokio-postgres); `W`: awaited, its error ignored;
-/// `E`: awaited, its error returned; `D`: `sql_query(..).execute` awaited
-/// (extended protocol); `X`: `sql_query(..).execute` polled until its
-/// `Parse` is answered, polled once more (its `Bind`/`Execute` by the
-/// statement's name queued), dropped; `Ms`: a sleep (the driver writes what
-/// is queued); `Nest`: `conn.transaction(..)` inserting n = 3, then the
-/// statement (polled once when `true`, else awaited), then `Err` (the
-/// savepoint rolled back).
-#[rustfmt::skip]
-#[derive(Clone, Copy, Debug)]
-enum A { Q(&'static str), W(&'static str), E(&'static str), D(&'static str), X(&'static str),
-    Ms(u64), Nest(&'static str, bool) }
-use A::*;
-
-// How the body ends (`HANG`: waits; the caller gives up; `INVALID`: `nothing_sent`).
-#[rustfmt::skip]
-mod ends { pub const OK: u8 = 0; pub const FINAL: u8 = 1; pub const PLAIN: u8 = 2;
-    pub const PANIC: u8 = 3; pub const HANG: u8 = 4; pub const INVALID: u8 = 5; }
-use ends::*;
-const N2: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 2)";
-const N3: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 3)";
-
-struct Q {
-    steps: &'static [A],
-    end: u8,
-}
-#[rustfmt::skip]
-const EMPTY: Q = Q { steps: &[], end: OK };
-
-#[rustfmt::skip]
-async fn body(conn: &mut AsyncPgConnection, key: &str, q: &Q, reached: &Notify) -> Res {
-    let id = insert_effect(conn, key, 1).await?;
-    for step in q.steps {
-        match *step {
-            Q(s) => drop(conn.batch_execute(&s.replace("{k}", key)).now_or_never()),
-            W(s) => drop(conn.batch_execute(&s.replace("{k}", key)).await),
-            D(s) => drop(diesel::sql_query(s.replace("{k}", key)).execute(conn).await),
-            X(s) => {
-                let mut f = Box::pin(diesel::sql_query(s.replace("{k}", key)).execute(conn));
-                if poll_once(&mut f).await.is_pending() {
-                    tokio::time::sleep(Duration::from_millis(30)).await;
-                    let _ = poll_once(&mut f).await;
-                }
-            }
-            E(s) => conn.batch_execute(&s.replace("{k}", key)).await?,
-            Ms(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
-            Nest(s, queued) => {
-                let (s, key) = (s.replace("{k}", key), key.to_owned());
-                let _ = conn.transaction::<(), AppError, _>(async |c| {
-                    insert_effect(c, &key, 3).await?;
-                    match queued {
-                        true => drop(c.batch_execute(&s).now_or_never()),
-                        false => drop(c.batch_execute(&s).await),
-                    }
-                    Err(AppError::Timeout)
-                }).await;
-            }
-        }
-    }
-    reached.notify_one();
-    match q.end {
-        OK => Ok(id),
-        FINAL => Err(AppError::Declined(Declined::InsufficientFunds { needed: 1 })),
-        PLAIN => Err(AppError::Timeout),
-        INVALID => Err(AppError::Invalid),
-        PANIC => panic!("session40: the body panics"),
-        _ => { tokio::time::sleep(Duration::from_secs(60)).await; Ok(id) }
-    }
-}
-
-macro_rules! local {
-    ($name:ident, $iso:ident, $max:tt) => {
-        #[idempotent(key = key, fingerprint(key), scope = none)]
-        #[retryable(max = $max, deadline_ms = 20000, commit_timeout_ms = 3000, isolation = $iso)]
-        async fn $name(conn: &mut AsyncPgConnection, key: &str, q: &Q, r: &Notify) -> Res {
-            body(conn, key, q, r).await
-        }
-    };
-}
-local!(s_rc, read_committed, 1);
-local!(s_rr, repeatable_read, 1);
-local!(s_sr, serializable, 1);
-local!(s_rc4, read_committed, 4);
-
-macro_rules! plain {
-    ($name:ident, $max:tt) => {
-        #[retryable(max = $max, deadline_ms = 20000, commit_timeout_ms = 3000)]
-        async fn $name(conn: &mut AsyncPgConnection, key: &str, q: &Q, r: &Notify) -> Res {
-            body(conn, key, q, r).await
-        }
-    };
-}
-plain!(s_plain, 1);
-plain!(s_pl4, 4);
-
-#[idempotent(key = key, fingerprint(key), scope = none, mode = external)]
-#[retryable(max = 1, deadline_ms = 20000, commit_timeout_ms = 3000)]
-async fn s_ext(db: &mut Deferred<'_>, key: &str, q: &Q, r: &Notify) -> Res {
-    body(db.conn().await?, key, q, r).await
-}
-
-#[rustfmt::skip]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum V { Rc, Rr, Sr, Ext, Plain, Rc4, Pl4 }
-
-async fn call(pool: &Pool, v: V, key: &str, q: &Q, r: &Notify) -> Res {
-    let answer = match v {
-        V::Rc => s_rc(pool, key, q, r).await,
-        V::Rr => s_rr(pool, key, q, r).await,
-        V::Sr => s_sr(pool, key, q, r).await,
-        V::Ext => s_ext(pool, key, q, r).await,
-        V::Rc4 => s_rc4(pool, key, q, r).await,
-        V::Plain => return s_plain(pool, key, q, r).await,
-        V::Pl4 => return s_pl4(pool, key, q, r).await,
-    };
-    answer.map(|v| if v.replayed { -v.value } else { v.value })
-}
-
-/// One call; `HANG` is given up once the body reached its end, or after
-/// `drop_us` µs from the start when that is set.
-async fn one(pool: &Pool, v: V, key: &str, q: &Q, drop_us: Option<u64>) -> String {
-    let reached = Notify::new();
-    let call = AssertUnwindSafe(call(pool, v, key, q, &reached)).catch_unwind();
-    let out = |r: Result<Res, _>| r.map_or("panicked".to_owned(), |r| format!("{r:?}"));
-    if let Some(us) = drop_us {
-        let r = tokio::time::timeout(Duration::from_micros(us), call).await;
-        return r.map_or("dropped".to_owned(), out);
-    }
-    tokio::select! {
-        r = call => out(r),
-        () = reached.notified(), if q.end == HANG => "dropped".to_owned(),
-    }
-}
 
 /// What a case must show beyond the invariants.
 const SEALED: u8 = 1; // no n = 2 row: nothing after the body's end ran
 const LEGIT: u8 = 2; // the call answers Ok, n = 1 committed once, no n = 2/3, record ok
-
-/// A case: `(prefix, V, steps, ends, trials, flags)`.
-struct C(&'static str, V, &'static [A], &'static [u8], usize, u8);
-
-#[rustfmt::skip]
-fn plain(v: V) -> bool { matches!(v, V::Plain | V::Pl4) }
-
-async fn n_of(env: &Env, key: &str, n: i64) -> i64 {
-    let sql = "SELECT count(*) FROM effects WHERE tag = $1 AND n = $2";
-    env.client.query_one(sql, &[&key, &n]).await.unwrap().get(0)
-}
 
 /// The invariants of one key after its call answered `ans`; repeats it once.
 #[rustfmt::skip]
@@ -260,17 +106,6 @@ async fn hygiene(env: &Env, pool: &Pool, prefix: &str) -> Vec<String> {
     problems
 }
 
-fn report(results: Vec<(Vec<String>, String)>) {
-    let mut all = Vec::new();
-    for (problems, summary) in results {
-        eprintln!("{summary}");
-        problems.iter().take(8).for_each(|p| eprintln!("  {p}"));
-        all.extend(problems);
-    }
-    let first = <[_]>::first(&all);
-    assert!(all.is_empty(), "{} problems: {first:?}", all.len());
-}
-
 async fn all(env: &Env, pool: &Pool, cs: &[C]) {
     let mut results = Vec::new();
     for c in cs {
@@ -278,8 +113,6 @@ async fn all(env: &Env, pool: &Pool, cs: &[C]) {
     }
     report(results);
 }
-
-const ALL_ENDS: &[u8] = &[OK, FINAL, PLAIN, PANIC, HANG];
 
 // ---------------------------------------------------------------------------
 

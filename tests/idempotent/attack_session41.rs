@@ -1,14 +1,10 @@
 //! Hostile pass (session 41) on 72134da: ends pipelined among other requests, the
 //! lone-`ROLLBACK` exemption, a slowed `COMMIT` (a deferred trigger) with writes
 //! behind it, long statements riding with an end, random drops. Counted in the DB.
+use super::kit::*;
 use super::*;
-use futures_util::future::{join_all, BoxFuture};
-use futures_util::FutureExt;
 use std::collections::BTreeMap;
-use std::panic::AssertUnwindSafe;
 use tokio::sync::Notify;
-const TEN: Duration = Duration::from_secs(10);
-type Res = Result<i64, AppError>;
 
 /// A `COMMIT` that takes `ms` and then succeeds or fails: a deferred trigger.
 const SLOWC: &str = "CREATE TABLE slowc (tag text NOT NULL, ms int NOT NULL, fail bool NOT NULL);
@@ -19,22 +15,6 @@ const SLOWC: &str = "CREATE TABLE slowc (tag text NOT NULL, ms int NOT NULL, fai
     CREATE CONSTRAINT TRIGGER slowc_t AFTER INSERT ON slowc DEFERRABLE INITIALLY DEFERRED
       FOR EACH ROW EXECUTE FUNCTION slowc_f();";
 
-/// One step of a body (`{k}`: the key). `Q`: `batch_execute` polled once and
-/// dropped; `W`: awaited, error ignored; `J`: the requests pipelined through
-/// `&AsyncPgConnection` with `join_all`, awaited (an `x:` prefix: through
-/// `diesel::sql_query`, the extended protocol); `Jq`: the same polled once and
-/// dropped; `Ms`: a sleep.
-#[rustfmt::skip]
-#[derive(Clone, Copy, Debug)]
-enum A { Q(&'static str), W(&'static str), J(&'static [&'static str]), Jq(&'static [&'static str]), Ms(u64) }
-use A::*;
-
-#[rustfmt::skip]
-mod ends { pub const OK: u8 = 0; pub const FINAL: u8 = 1; pub const PLAIN: u8 = 2;
-    pub const PANIC: u8 = 3; pub const HANG: u8 = 4; pub const INVALID: u8 = 5; }
-use ends::*;
-const N2: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 2)";
-const N3: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 3)";
 const XN2: &str = "x:INSERT INTO effects (tag, n) VALUES ('{k}', 2)";
 const XN3: &str = "x:INSERT INTO effects (tag, n) VALUES ('{k}', 3)";
 const OK3: &str = "INSERT INTO slowc VALUES ('{k}', 300, false)";
@@ -42,112 +22,10 @@ const BAD3: &str = "INSERT INTO slowc VALUES ('{k}', 300, true)";
 const OK15: &str = "INSERT INTO slowc VALUES ('{k}', 1500, false)";
 const BAD15: &str = "INSERT INTO slowc VALUES ('{k}', 1500, true)";
 
-struct Q {
-    steps: &'static [A],
-    end: u8,
-}
-#[rustfmt::skip]
-const EMPTY: Q = Q { steps: &[], end: OK };
-
-fn pipe<'a>(c: &'a AsyncPgConnection, key: &str, parts: &[&str]) -> Vec<BoxFuture<'a, ()>> {
-    let f = |s: &&str| {
-        let s = s.replace("{k}", key);
-        async move {
-            let mut c = c;
-            match s.strip_prefix("x:") {
-                Some(x) => drop(diesel::sql_query(x).execute(&mut c).await),
-                None => drop(c.batch_execute(&s).await),
-            }
-        }
-        .boxed()
-    };
-    parts.iter().map(f).collect()
-}
-
-#[rustfmt::skip]
-async fn body(conn: &mut AsyncPgConnection, key: &str, q: &Q, reached: &Notify) -> Res {
-    let id = insert_effect(conn, key, 1).await?;
-    for step in q.steps {
-        match *step {
-            Q(s) => drop(conn.batch_execute(&s.replace("{k}", key)).now_or_never()),
-            W(s) => drop(conn.batch_execute(&s.replace("{k}", key)).await),
-            J(parts) => drop(join_all(pipe(conn, key, parts)).await),
-            Jq(parts) => drop(join_all(pipe(conn, key, parts)).now_or_never()),
-            Ms(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
-        }
-    }
-    reached.notify_one();
-    match q.end {
-        OK => Ok(id),
-        FINAL => Err(AppError::Declined(Declined::InsufficientFunds { needed: 1 })),
-        PLAIN => Err(AppError::Timeout),
-        INVALID => Err(AppError::Invalid),
-        PANIC => panic!("session41: the body panics"),
-        _ => { tokio::time::sleep(Duration::from_secs(60)).await; Ok(id) }
-    }
-}
-
-macro_rules! local {
-    ($name:ident, $iso:ident) => {
-        #[idempotent(key = key, fingerprint(key), scope = none)]
-        #[retryable(max = 1, deadline_ms = 20000, commit_timeout_ms = 3000, isolation = $iso)]
-        async fn $name(conn: &mut AsyncPgConnection, key: &str, q: &Q, r: &Notify) -> Res {
-            body(conn, key, q, r).await
-        }
-    };
-}
-local!(s_rc, read_committed);
-local!(s_sr, serializable);
-
-#[idempotent(key = key, fingerprint(key), scope = none, mode = external)]
-#[retryable(max = 1, deadline_ms = 20000, commit_timeout_ms = 3000)]
-async fn s_ext(db: &mut Deferred<'_>, key: &str, q: &Q, r: &Notify) -> Res {
-    body(db.conn().await?, key, q, r).await
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum V {
-    Rc,
-    Sr,
-    Ext,
-}
-
-async fn call(pool: &Pool, v: V, key: &str, q: &Q, r: &Notify) -> Res {
-    let answer = match v {
-        V::Rc => s_rc(pool, key, q, r).await,
-        V::Sr => s_sr(pool, key, q, r).await,
-        V::Ext => s_ext(pool, key, q, r).await,
-    };
-    answer.map(|v| if v.replayed { -v.value } else { v.value })
-}
-
-/// One call; `HANG` is given up once the body reached its end, or after
-/// `drop_us` µs from the start when that is set.
-async fn one(pool: &Pool, v: V, key: &str, q: &Q, drop_us: Option<u64>) -> String {
-    let reached = Notify::new();
-    let call = AssertUnwindSafe(call(pool, v, key, q, &reached)).catch_unwind();
-    let out = |r: Result<Res, _>| r.map_or("panicked".to_owned(), |r| format!("{r:?}"));
-    if let Some(us) = drop_us {
-        let r = tokio::time::timeout(Duration::from_micros(us), call).await;
-        return r.map_or("dropped".to_owned(), out);
-    }
-    tokio::select! {
-        r = call => out(r),
-        () = reached.notified(), if q.end == HANG => "dropped".to_owned(),
-    }
-}
-
 const SEALED: u8 = 1; // no n = 2 row: nothing after the body's end ran
 const ANS: u8 = 2; // an answered call is TransactionEnded, committed: true over a commit
 const STRICT: u8 = 4; // no hold without an effect, also for dropped calls (claim 4)
 const NOREC: u8 = 8; // the key stays free (nothing committed, nothing stored)
-
-struct C(&'static str, V, &'static [A], &'static [u8], usize, u8);
-
-async fn n_of(env: &Env, key: &str, n: i64) -> i64 {
-    let sql = "SELECT count(*) FROM effects WHERE tag = $1 AND n = $2";
-    env.client.query_one(sql, &[&key, &n]).await.unwrap().get(0)
-}
 
 /// The invariants of one key after its call answered `ans`; repeats it once.
 #[rustfmt::skip]
@@ -242,17 +120,6 @@ async fn run(env: &Env, pool: &Pool, c: &C) -> (Vec<String>, String) {
     (problems, format!("{prefix}: {} calls; answers {answers:?}", keys.len()))
 }
 
-fn report(results: Vec<(Vec<String>, String)>) {
-    let mut all = Vec::new();
-    for (problems, summary) in results {
-        eprintln!("{summary}");
-        problems.iter().take(8).for_each(|p| eprintln!("  {p}"));
-        all.extend(problems);
-    }
-    let first = <[_]>::first(&all);
-    assert!(all.is_empty(), "{} problems: {first:?}", all.len());
-}
-
 async fn all(env: &Env, pool: &Pool, cs: &[C]) {
     let mut results = Vec::new();
     for c in cs {
@@ -267,7 +134,6 @@ async fn env41(size: usize) -> Env {
     env
 }
 
-const ALL_ENDS: &[u8] = &[OK, FINAL, PLAIN, PANIC, HANG];
 const ANSWERED: &[u8] = &[OK, FINAL, PLAIN];
 
 // ---------------------------------------------------------------------------

@@ -48,6 +48,7 @@ mod external;
 mod hand_commit;
 mod held_commit;
 mod hostile;
+mod kit;
 mod literals;
 mod local;
 mod malformed;

@@ -1,0 +1,210 @@
+//! What the hostile passes share (`attack_session40`, `attack_session41`): a
+//! body built from steps, the ways it ends, the call shapes it runs under,
+//! one call given up at a point, and the report of what each case found.
+use super::*;
+use futures_util::future::{join_all, BoxFuture};
+use futures_util::FutureExt;
+use std::panic::AssertUnwindSafe;
+use tokio::sync::Notify;
+
+pub(super) const TEN: Duration = Duration::from_secs(10);
+pub(super) type Res = Result<i64, AppError>;
+
+/// Polls `f` once, whether or not it is ready.
+async fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> std::task::Poll<F::Output> {
+    std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut *f).poll(cx))).await
+}
+
+/// One step of a body (`{k}`: the key). `Q`: `batch_execute` polled once,
+/// then dropped (queued in tokio-postgres); `W`: awaited, its error ignored;
+/// `E`: awaited, its error returned; `D`: `sql_query(..).execute` awaited
+/// (extended protocol); `X`: `sql_query(..).execute` polled until its
+/// `Parse` is answered, polled once more (its `Bind`/`Execute` by the
+/// statement's name queued), dropped; `Ms`: a sleep (the driver writes what
+/// is queued); `Nest`: `conn.transaction(..)` inserting n = 3, then the
+/// statement (polled once when `true`, else awaited), then `Err` (the
+/// savepoint rolled back); `J`: the requests pipelined through
+/// `&AsyncPgConnection` with `join_all`, awaited (an `x:` prefix: through
+/// `diesel::sql_query`, the extended protocol); `Jq`: the same polled once
+/// and dropped.
+#[rustfmt::skip]
+#[derive(Clone, Copy, Debug)]
+pub(super) enum A { Q(&'static str), W(&'static str), E(&'static str), D(&'static str), X(&'static str),
+    Ms(u64), Nest(&'static str, bool), J(&'static [&'static str]), Jq(&'static [&'static str]) }
+pub(super) use A::*;
+
+/// How the body ends (`HANG`: waits, the caller gives up once it is
+/// reached; `INVALID`: `nothing_sent`).
+#[rustfmt::skip]
+pub(super) mod ends { pub const OK: u8 = 0; pub const FINAL: u8 = 1; pub const PLAIN: u8 = 2;
+    pub const PANIC: u8 = 3; pub const HANG: u8 = 4; pub const INVALID: u8 = 5; }
+pub(super) use ends::*;
+pub(super) const N2: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 2)";
+pub(super) const N3: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 3)";
+
+/// A body: its steps after the effect (n = 1), then its end.
+pub(super) struct Q {
+    pub(super) steps: &'static [A],
+    pub(super) end: u8,
+}
+#[rustfmt::skip]
+pub(super) const EMPTY: Q = Q { steps: &[], end: OK };
+
+fn pipe<'a>(c: &'a AsyncPgConnection, key: &str, parts: &[&str]) -> Vec<BoxFuture<'a, ()>> {
+    let f = |s: &&str| {
+        let s = s.replace("{k}", key);
+        async move {
+            let mut c = c;
+            match s.strip_prefix("x:") {
+                Some(x) => drop(diesel::sql_query(x).execute(&mut c).await),
+                None => drop(c.batch_execute(&s).await),
+            }
+        }
+        .boxed()
+    };
+    parts.iter().map(f).collect()
+}
+
+#[rustfmt::skip]
+async fn body(conn: &mut AsyncPgConnection, key: &str, q: &Q, reached: &Notify) -> Res {
+    let id = insert_effect(conn, key, 1).await?;
+    for step in q.steps {
+        match *step {
+            Q(s) => drop(conn.batch_execute(&s.replace("{k}", key)).now_or_never()),
+            W(s) => drop(conn.batch_execute(&s.replace("{k}", key)).await),
+            D(s) => drop(diesel::sql_query(s.replace("{k}", key)).execute(conn).await),
+            X(s) => {
+                let mut f = Box::pin(diesel::sql_query(s.replace("{k}", key)).execute(conn));
+                if poll_once(&mut f).await.is_pending() {
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    let _ = poll_once(&mut f).await;
+                }
+            }
+            E(s) => conn.batch_execute(&s.replace("{k}", key)).await?,
+            Ms(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            Nest(s, queued) => {
+                let (s, key) = (s.replace("{k}", key), key.to_owned());
+                let _ = conn.transaction::<(), AppError, _>(async |c| {
+                    insert_effect(c, &key, 3).await?;
+                    match queued {
+                        true => drop(c.batch_execute(&s).now_or_never()),
+                        false => drop(c.batch_execute(&s).await),
+                    }
+                    Err(AppError::Timeout)
+                }).await;
+            }
+            J(parts) => drop(join_all(pipe(conn, key, parts)).await),
+            Jq(parts) => drop(join_all(pipe(conn, key, parts)).now_or_never()),
+        }
+    }
+    reached.notify_one();
+    match q.end {
+        OK => Ok(id),
+        FINAL => Err(AppError::Declined(Declined::InsufficientFunds { needed: 1 })),
+        PLAIN => Err(AppError::Timeout),
+        INVALID => Err(AppError::Invalid),
+        PANIC => panic!("kit: the body panics"),
+        _ => { tokio::time::sleep(Duration::from_secs(60)).await; Ok(id) }
+    }
+}
+
+macro_rules! local {
+    ($name:ident, $iso:ident, $max:tt) => {
+        #[idempotent(key = key, fingerprint(key), scope = none)]
+        #[retryable(max = $max, deadline_ms = 20000, commit_timeout_ms = 3000, isolation = $iso)]
+        async fn $name(conn: &mut AsyncPgConnection, key: &str, q: &Q, r: &Notify) -> Res {
+            body(conn, key, q, r).await
+        }
+    };
+}
+local!(s_rc, read_committed, 1);
+local!(s_rr, repeatable_read, 1);
+local!(s_sr, serializable, 1);
+local!(s_rc4, read_committed, 4);
+
+macro_rules! plain {
+    ($name:ident, $max:tt) => {
+        #[retryable(max = $max, deadline_ms = 20000, commit_timeout_ms = 3000)]
+        async fn $name(conn: &mut AsyncPgConnection, key: &str, q: &Q, r: &Notify) -> Res {
+            body(conn, key, q, r).await
+        }
+    };
+}
+plain!(s_plain, 1);
+plain!(s_pl4, 4);
+
+#[idempotent(key = key, fingerprint(key), scope = none, mode = external)]
+#[retryable(max = 1, deadline_ms = 20000, commit_timeout_ms = 3000)]
+async fn s_ext(db: &mut Deferred<'_>, key: &str, q: &Q, r: &Notify) -> Res {
+    body(db.conn().await?, key, q, r).await
+}
+
+/// The call shape: local mode at an isolation level (`Rc4`: `max = 4`),
+/// external mode, or a plain `#[retryable]` (`Pl4`: `max = 4`).
+#[rustfmt::skip]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum V { Rc, Rr, Sr, Ext, Plain, Rc4, Pl4 }
+
+/// The call's answer; a replay's value negated.
+pub(super) async fn call(pool: &Pool, v: V, key: &str, q: &Q, r: &Notify) -> Res {
+    let answer = match v {
+        V::Rc => s_rc(pool, key, q, r).await,
+        V::Rr => s_rr(pool, key, q, r).await,
+        V::Sr => s_sr(pool, key, q, r).await,
+        V::Ext => s_ext(pool, key, q, r).await,
+        V::Rc4 => s_rc4(pool, key, q, r).await,
+        V::Plain => return s_plain(pool, key, q, r).await,
+        V::Pl4 => return s_pl4(pool, key, q, r).await,
+    };
+    answer.map(|v| if v.replayed { -v.value } else { v.value })
+}
+
+/// Whether `v` is a plain `#[retryable]` call (no key, no record).
+#[rustfmt::skip]
+pub(super) fn plain(v: V) -> bool { matches!(v, V::Plain | V::Pl4) }
+
+/// One call; `HANG` is given up once the body reached its end, or after
+/// `drop_us` µs from the start when that is set.
+pub(super) async fn one(pool: &Pool, v: V, key: &str, q: &Q, drop_us: Option<u64>) -> String {
+    let reached = Notify::new();
+    let call = AssertUnwindSafe(call(pool, v, key, q, &reached)).catch_unwind();
+    let out = |r: Result<Res, _>| r.map_or("panicked".to_owned(), |r| format!("{r:?}"));
+    if let Some(us) = drop_us {
+        let r = tokio::time::timeout(Duration::from_micros(us), call).await;
+        return r.map_or("dropped".to_owned(), out);
+    }
+    tokio::select! {
+        r = call => out(r),
+        () = reached.notified(), if q.end == HANG => "dropped".to_owned(),
+    }
+}
+
+/// The rows of effect `n` under `key`.
+pub(super) async fn n_of(env: &Env, key: &str, n: i64) -> i64 {
+    let sql = "SELECT count(*) FROM effects WHERE tag = $1 AND n = $2";
+    env.client.query_one(sql, &[&key, &n]).await.unwrap().get(0)
+}
+
+/// A case: `(prefix, V, steps, ends, trials, flags)`.
+pub(super) struct C(
+    pub(super) &'static str,
+    pub(super) V,
+    pub(super) &'static [A],
+    pub(super) &'static [u8],
+    pub(super) usize,
+    pub(super) u8,
+);
+
+/// Each case's summary and its first problems printed; fails on any.
+pub(super) fn report(results: Vec<(Vec<String>, String)>) {
+    let mut all = Vec::new();
+    for (problems, summary) in results {
+        eprintln!("{summary}");
+        problems.iter().take(8).for_each(|p| eprintln!("  {p}"));
+        all.extend(problems);
+    }
+    let first = <[_]>::first(&all);
+    assert!(all.is_empty(), "{} problems: {first:?}", all.len());
+}
+
+pub(super) const ALL_ENDS: &[u8] = &[OK, FINAL, PLAIN, PANIC, HANG];
