@@ -47,18 +47,8 @@ async fn check(env: &Env, pool: &Pool, v: V, key: &str, what: &str, f: u8, ans: 
 #[rustfmt::skip]
 /// Runs `c` on `pool` (each call in a task), checks every key, then hygiene.
 async fn run(env: &Env, pool: &Pool, c: &C) -> (Vec<String>, String) {
-    let &C(prefix, v, steps, ends, trials, flags) = c;
-    let (mut keys, mut answers) = (Vec::new(), BTreeMap::<String, usize>::new());
-    for &end in ends {
-        for t in 0..trials {
-            let key = format!("{prefix}-{end}-{t}");
-            let (pool, k) = (pool.clone(), key.clone());
-            let task = tokio::spawn(async move { one(&pool, v, &k, &Q { steps, end }, None).await });
-            let answer = task.await.unwrap_or_else(|_| "task panicked".to_owned());
-            *answers.entry(format!("[end {end}] {}", answer.chars().take(60).collect::<String>())).or_default() += 1;
-            keys.push((key, end, answer));
-        }
-    }
+    let &C(prefix, v, steps, _, _, flags) = c;
+    let (keys, answers) = each(pool, c).await;
     settle_holds(env, prefix, v).await;
     let mut problems = Vec::new();
     for (key, end, answer) in &keys {
@@ -85,25 +75,6 @@ async fn settle_holds(env: &Env, prefix: &str, v: V) {
     if plain(v) || !eventually(TEN, none_unheld).await {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-}
-
-/// No backend idle in a transaction; the pool still serves.
-async fn hygiene(env: &Env, pool: &Pool, prefix: &str) -> Vec<String> {
-    let mut problems = Vec::new();
-    let idle = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                AND state LIKE 'idle in transaction%'";
-    if !eventually(TEN, || async { env.scalar(idle).await == 0 }).await {
-        problems.push(format!("{prefix}: backends left idle in a transaction"));
-    }
-    for i in 0..2 {
-        let key = format!("{prefix}-health-{i}");
-        let n = Notify::new();
-        let r = tokio::time::timeout(TEN / 2, call(pool, V::Rc, &key, &EMPTY, &n)).await;
-        if !matches!(r, Ok(Ok(_))) || env.effects(&key).await != 1 {
-            problems.push(format!("{prefix}: a later call on the pool: {r:?}"));
-        }
-    }
-    problems
 }
 
 async fn all(env: &Env, pool: &Pool, cs: &[C]) {

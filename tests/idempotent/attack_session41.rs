@@ -75,41 +75,10 @@ async fn settle_holds(env: &Env, prefix: &str) {
     }
 }
 
-/// No backend idle in a transaction or still sleeping; the pool still serves.
-async fn hygiene(env: &Env, pool: &Pool, prefix: &str) -> Vec<String> {
-    let mut problems = Vec::new();
-    let idle = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                AND (state LIKE 'idle in transaction%' OR (state = 'active' AND query LIKE '%pg_sleep%' \
-                AND pid <> pg_backend_pid()))";
-    if !eventually(TEN, || async { env.scalar(idle).await == 0 }).await {
-        problems.push(format!(
-            "{prefix}: backends left idle in a transaction or sleeping"
-        ));
-    }
-    for i in 0..2 {
-        let key = format!("{prefix}-health-{i}");
-        let r = tokio::time::timeout(TEN, call(pool, V::Rc, &key, &EMPTY, &Notify::new())).await;
-        if !matches!(r, Ok(Ok(_))) || env.effects(&key).await != 1 {
-            problems.push(format!("{prefix}: a later call on the pool: {r:?}"));
-        }
-    }
-    problems
-}
-
 #[rustfmt::skip]
 async fn run(env: &Env, pool: &Pool, c: &C) -> (Vec<String>, String) {
-    let &C(prefix, v, steps, ends, trials, flags) = c;
-    let (mut keys, mut answers) = (Vec::new(), BTreeMap::<String, usize>::new());
-    for &end in ends {
-        for t in 0..trials {
-            let key = format!("{prefix}-{end}-{t}");
-            let (pool, k) = (pool.clone(), key.clone());
-            let task = tokio::spawn(async move { one(&pool, v, &k, &Q { steps, end }, None).await });
-            let answer = task.await.unwrap_or_else(|_| "task panicked".to_owned());
-            *answers.entry(format!("[end {end}] {}", answer.chars().take(60).collect::<String>())).or_default() += 1;
-            keys.push((key, end, answer));
-        }
-    }
+    let &C(prefix, v, steps, _, _, flags) = c;
+    let (keys, answers) = each(pool, c).await;
     settle_holds(env, prefix).await;
     let mut problems = Vec::new();
     for (key, end, answer) in &keys {

@@ -4,6 +4,7 @@
 use super::*;
 use futures_util::future::{join_all, BoxFuture};
 use futures_util::FutureExt;
+use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use tokio::sync::Notify;
 
@@ -208,3 +209,48 @@ pub(super) fn report(results: Vec<(Vec<String>, String)>) {
 }
 
 pub(super) const ALL_ENDS: &[u8] = &[OK, FINAL, PLAIN, PANIC, HANG];
+
+/// Each call of case `c`, one after another, each in a task of its own:
+/// `(key, end, answer)`, and how many gave each answer.
+pub(super) async fn each(
+    pool: &Pool,
+    c: &C,
+) -> (Vec<(String, u8, String)>, BTreeMap<String, usize>) {
+    let &C(prefix, v, steps, ends, trials, _) = c;
+    let (mut keys, mut answers) = (Vec::new(), BTreeMap::<String, usize>::new());
+    for &end in ends {
+        for t in 0..trials {
+            let key = format!("{prefix}-{end}-{t}");
+            let (pool, k) = (pool.clone(), key.clone());
+            let task =
+                tokio::spawn(async move { one(&pool, v, &k, &Q { steps, end }, None).await });
+            let answer = task.await.unwrap_or_else(|_| "task panicked".to_owned());
+            let short: String = answer.chars().take(60).collect();
+            *answers.entry(format!("[end {end}] {short}")).or_default() += 1;
+            keys.push((key, end, answer));
+        }
+    }
+    (keys, answers)
+}
+
+/// No backend idle in a transaction or still sleeping; the pool still
+/// serves.
+pub(super) async fn hygiene(env: &Env, pool: &Pool, prefix: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let idle = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                AND (state LIKE 'idle in transaction%' OR (state = 'active' AND query LIKE '%pg_sleep%' \
+                AND pid <> pg_backend_pid()))";
+    if !eventually(TEN, || async { env.scalar(idle).await == 0 }).await {
+        problems.push(format!(
+            "{prefix}: backends left idle in a transaction or sleeping"
+        ));
+    }
+    for i in 0..2 {
+        let key = format!("{prefix}-health-{i}");
+        let r = tokio::time::timeout(TEN, call(pool, V::Rc, &key, &EMPTY, &Notify::new())).await;
+        if !matches!(r, Ok(Ok(_))) || env.effects(&key).await != 1 {
+            problems.push(format!("{prefix}: a later call on the pool: {r:?}"));
+        }
+    }
+    problems
+}
