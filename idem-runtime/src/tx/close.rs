@@ -66,7 +66,7 @@ impl Tx {
             // After the body committed by hand, with something to write for
             // it (see `Tx::after_body_commit`): closed, its slot kept.
             let committed = self.body_committed(conn.wire());
-            if self.after_body_commit.is_some() && committed {
+            if self.writes_after_body_commit() && committed {
                 conn.wire().sever();
                 self.lost = Some(conn);
             } else {

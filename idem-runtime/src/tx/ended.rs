@@ -178,6 +178,19 @@ impl Tx {
         self.lost.is_some()
     }
 
+    /// Whether something is to be written for what the body committed by
+    /// hand, before its pool slot goes: it has an [`AfterBodyCommit`], or
+    /// it is the transaction handed to one.
+    pub(super) fn writes_after_body_commit(&self) -> bool {
+        self.after_body_commit.is_some() || self.handed_off()
+    }
+
+    /// Whether this is the transaction handed to its [`AfterBodyCommit`].
+    pub(super) fn handed_off(&self) -> bool {
+        let state = self.end_state.as_ref();
+        state.is_some_and(|s| AtomicBool::load(&s.handed_off, Ordering::SeqCst))
+    }
+
     /// A transaction dropped open (its call dropped, or its body
     /// panicked): a request the body queued just before may still be on its
     /// way to the socket (tokio-postgres hands it to the connection's driver
@@ -206,7 +219,14 @@ impl Tx {
     /// transaction on.
     pub(super) fn hand_off_after_body_commit(&mut self) -> bool {
         let wire = self.wire().or(self.lost.as_ref().map(|c| c.wire()));
-        let committed = wire.is_some_and(|wire| self.body_committed(wire));
+        // As the call's watch saw it when the connection left the
+        // transaction (`close_watches`, just before): a `COMMIT` then
+        // unanswered is handed on, its answer read there, even when it
+        // came in since. Read afresh here, a failure answered meanwhile
+        // would leave the call's drop holding the key from the watch's
+        // stale answer, without reading how the `COMMIT` ended.
+        let seen = self.end_state.as_ref().and_then(|s| s.seen.get().copied());
+        let committed = seen.unwrap_or_else(|| wire.is_some_and(|wire| self.body_committed(wire)));
         // Open (the call dropped before idem rolled back), or not (dropped
         // while `then`'s own statement was in flight: a prepare that never
         // got to run it, say).

@@ -65,14 +65,20 @@ impl Tx {
         // `ROLLBACK` queues behind it, and its timeout is then no sign of a
         // lost connection.
         let behind = wire.running();
-        if !self.unmanaged && self.lost_track() {
+        let broken = !self.unmanaged && self.lost_track();
+        if broken && !self.handed_off() {
             // Closed, which rolls back; what the dropped statement left
             // running is cancelled.
             tracing::warn!("the body dropped a savepoint's statement before its answer; closing the connection");
             self.cancel_and_discard();
             return (false, Some(wire), false);
         }
-        let rolled_back = if self.unmanaged {
+        // Handed on after the body's own end (its call dropped while
+        // diesel-async's manager had a request of its own unanswered, idem's
+        // `ROLLBACK` say): a `ROLLBACK` of idem's own, whatever the manager
+        // counts, behind the body's `COMMIT`, whose answer decides what to
+        // hold; a cancel would abort that `COMMIT` unread. Then closed.
+        let rolled_back = if self.unmanaged || broken {
             let mut shared: &AsyncPgConnection = self.conn();
             tokio::time::timeout(timeout, shared.batch_execute("ROLLBACK")).await
         } else {
@@ -84,6 +90,10 @@ impl Tx {
         };
         self.unguard();
         match rolled_back {
+            Ok(Ok(())) if broken => {
+                self.discard();
+                (false, Some(wire), true)
+            }
             // A savepoint the body left open made it a `ROLLBACK TO
             // SAVEPOINT`: the transaction, and its locks, would go back to
             // the pool. Closed instead, which rolls it back.
