@@ -4,7 +4,6 @@
 use super::kit::*;
 use super::*;
 use std::collections::BTreeMap;
-use tokio::sync::Notify;
 
 /// What a case must show beyond the invariants.
 const SEALED: u8 = 1; // no n = 2 row: nothing after the body's end ran
@@ -37,10 +36,7 @@ async fn check(env: &Env, pool: &Pool, v: V, key: &str, what: &str, f: u8, ans: 
         _ => None,
     };
     problems.extend(bad.map(|b| format!("{what}: {b}")));
-    let again = tokio::time::timeout(TEN / 2, call(pool, v, key, &EMPTY, &Notify::new())).await;
-    let after = env.effects(key).await;
-    if rec.is_none() && after != effects + 1 { problems.push(format!("{what}: repeat {again:?}, effects then {after}")); }
-    if rec.is_some() && after != effects { problems.push(format!("{what}: held or done, repeat ran: {again:?}")); }
+    problems.extend(repeats(env, pool, v, key, &what, rec.is_some(), effects).await);
     problems
 }
 
@@ -49,7 +45,7 @@ async fn check(env: &Env, pool: &Pool, v: V, key: &str, what: &str, f: u8, ans: 
 async fn run(env: &Env, pool: &Pool, c: &C) -> (Vec<String>, String) {
     let &C(prefix, v, steps, _, _, flags) = c;
     let (keys, answers) = each(pool, c).await;
-    settle_holds(env, prefix, v).await;
+    settle(env, prefix, v).await;
     let mut problems = Vec::new();
     for (key, end, answer) in &keys {
         let what = format!("{steps:?} end {end}");
@@ -60,20 +56,13 @@ async fn run(env: &Env, pool: &Pool, c: &C) -> (Vec<String>, String) {
     (problems, summary)
 }
 
-/// Lets background holds land (every key with an effect gets a record).
-async fn settle_holds(env: &Env, prefix: &str, v: V) {
-    // Past the slowest statement a body queued (the documented window where a
-    // duplicate may run before the hold lands is not what is tested here).
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    let like = format!("{prefix}-%");
-    let unheld = "SELECT count(DISTINCT tag) FROM effects e WHERE e.tag LIKE $1 AND NOT EXISTS \
-                  (SELECT 1 FROM idem_requests r WHERE r.key = e.tag)";
-    let none_unheld = || async {
-        let n: i64 = env.client.query_one(unheld, &[&like]).await.unwrap().get(0);
-        n == 0
-    };
-    if plain(v) || !eventually(TEN, none_unheld).await {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+/// Lets background holds land (plain calls leave no record to wait for),
+/// past the slowest statement a body queued (the documented window where a
+/// duplicate may run before the hold lands is not what is tested here).
+async fn settle(env: &Env, prefix: &str, v: V) {
+    match plain(v) {
+        true => tokio::time::sleep(Duration::from_millis(900)).await,
+        false => settle_holds(env, prefix, 600).await,
     }
 }
 
@@ -257,7 +246,7 @@ async fn storm(env: &Env, pool: &Pool, prefix: &str, v: V, seed: u64) -> (Vec<St
     for (key, what, task) in tasks {
         done.push((key, what, task.await.unwrap_or_else(|_| "panicked".into())));
     }
-    settle_holds(env, prefix, v).await;
+    settle(env, prefix, v).await;
     let (mut problems, mut answers) = (Vec::new(), BTreeMap::<String, usize>::new());
     for (key, what, ans) in &done {
         *answers.entry(ans.chars().take(30).collect()).or_default() += 1;
@@ -331,7 +320,7 @@ async fn outcomes(env: &Env, pool: &Pool, v: V, p: &str, cases: &Cases) -> Vec<(
         let (pool, k) = (pool.clone(), key.clone());
         let r = tokio::spawn(async move { one(&pool, v, &k, &Q { steps, end }, None).await });
         let r = r.await.unwrap_or_else(|_| "task panicked".into());
-        settle_holds(env, &key, v).await;
+        settle(env, &key, v).await;
         let (n1, n2) = (n_of(env, &key, 1).await, n_of(env, &key, 2).await);
         eprintln!("{p}-{t} {steps:?} end {end}: {r}; n1 {n1} n2 {n2}");
         out.push((r, n1, n2));

@@ -4,24 +4,9 @@
 use super::kit::*;
 use super::*;
 use std::collections::BTreeMap;
-use tokio::sync::Notify;
-
-/// A `COMMIT` that takes `ms` and then succeeds or fails: a deferred trigger.
-const SLOWC: &str = "CREATE TABLE slowc (tag text NOT NULL, ms int NOT NULL, fail bool NOT NULL);
-    CREATE FUNCTION slowc_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
-      PERFORM pg_sleep(NEW.ms / 1000.0);
-      IF NEW.fail THEN RAISE EXCEPTION 'slowc: the deferred check fails'; END IF;
-      RETURN NULL; END $$;
-    CREATE CONSTRAINT TRIGGER slowc_t AFTER INSERT ON slowc DEFERRABLE INITIALLY DEFERRED
-      FOR EACH ROW EXECUTE FUNCTION slowc_f();";
 
 const XN2: &str = "x:INSERT INTO effects (tag, n) VALUES ('{k}', 2)";
 const XN3: &str = "x:INSERT INTO effects (tag, n) VALUES ('{k}', 3)";
-const OK3: &str = "INSERT INTO slowc VALUES ('{k}', 300, false)";
-const BAD3: &str = "INSERT INTO slowc VALUES ('{k}', 300, true)";
-const OK15: &str = "INSERT INTO slowc VALUES ('{k}', 1500, false)";
-const BAD15: &str = "INSERT INTO slowc VALUES ('{k}', 1500, true)";
-
 const SEALED: u8 = 1; // no n = 2 row: nothing after the body's end ran
 const ANS: u8 = 2; // an answered call is TransactionEnded, committed: true over a commit
 const STRICT: u8 = 4; // no hold without an effect, also for dropped calls (claim 4)
@@ -54,32 +39,15 @@ async fn check(env: &Env, pool: &Pool, v: V, key: &str, what: &str, f: u8, ans: 
         _ if held && effects == 0 && v != V::Ext && (f & STRICT != 0 || !gone) => bad("false hold"),
         _ => {}
     }
-    let again = tokio::time::timeout(TEN / 2, call(pool, v, key, &EMPTY, &Notify::new())).await;
-    let after = env.effects(key).await;
-    if rec.is_none() && after != effects + 1 { problems.push(format!("{what}: repeat {again:?}, effects then {after}")); }
-    if rec.is_some() && after != effects { problems.push(format!("{what}: held or done, repeat ran: {again:?}")); }
+    problems.extend(repeats(env, pool, v, key, &what, rec.is_some(), effects).await);
     problems
-}
-
-async fn settle_holds(env: &Env, prefix: &str) {
-    tokio::time::sleep(Duration::from_millis(2000)).await;
-    let like = format!("{prefix}-%");
-    let unheld = "SELECT count(DISTINCT tag) FROM effects e WHERE e.tag LIKE $1 AND NOT EXISTS \
-                  (SELECT 1 FROM idem_requests r WHERE r.key = e.tag)";
-    let none_unheld = || async {
-        let n: i64 = env.client.query_one(unheld, &[&like]).await.unwrap().get(0);
-        n == 0
-    };
-    if !eventually(TEN, none_unheld).await {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
 }
 
 #[rustfmt::skip]
 async fn run(env: &Env, pool: &Pool, c: &C) -> (Vec<String>, String) {
     let &C(prefix, v, steps, _, _, flags) = c;
     let (keys, answers) = each(pool, c).await;
-    settle_holds(env, prefix).await;
+    settle_holds(env, prefix, 2000).await;
     let mut problems = Vec::new();
     for (key, end, answer) in &keys {
         let what = format!("{steps:?} end {end}");
@@ -97,12 +65,6 @@ async fn all(env: &Env, pool: &Pool, cs: &[C]) {
     report(results);
 }
 
-async fn env41(size: usize) -> Env {
-    let env = env(size).await;
-    env.client.batch_execute(SLOWC).await.expect("slowc");
-    env
-}
-
 const ANSWERED: &[u8] = &[OK, FINAL, PLAIN];
 
 // ---------------------------------------------------------------------------
@@ -113,7 +75,7 @@ const ANSWERED: &[u8] = &[OK, FINAL, PLAIN];
 /// call is answered `TransactionEnded` (committed: true over a commit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack41_pipelined_ends_cut_what_follows() {
-    let env = env41(2).await;
+    let env = env_slow(2).await;
     #[rustfmt::skip]
     let cs = [
         C("p-c", V::Rc, &[J(&[N3, "COMMIT", N2, N2])], ALL_ENDS, 2, SEALED | ANS),
@@ -135,7 +97,7 @@ async fn attack41_pipelined_ends_cut_what_follows() {
 /// `ROLLBACK`s, odd spellings of `ROLLBACK` that are not the exemption).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack41_lone_rollback_lets_nothing_else_through() {
-    let env = env41(2).await;
+    let env = env_slow(2).await;
     #[rustfmt::skip]
     let cs = [
         C("r-cr", V::Rc, &[J(&["COMMIT", "ROLLBACK", N2])], ALL_ENDS, 2, SEALED | ANS),
@@ -160,7 +122,7 @@ async fn attack41_lone_rollback_lets_nothing_else_through() {
 /// nothing behind the `COMMIT` runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack41_slow_commit_in_flight_is_awaited() {
-    let env = env41(2).await;
+    let env = env_slow(2).await;
     let one = pool_of(&env.db, 1);
     #[rustfmt::skip]
     let cs = [
@@ -199,7 +161,7 @@ async fn attack41_slow_commit_in_flight_is_awaited() {
 /// it, the statement stops, the INSERT after it never runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack41_long_statement_with_an_end_is_cancelled() {
-    let env = env41(2).await;
+    let env = env_slow(2).await;
     if env.db.via().is_transaction_pooling() {
         return; // no cancel behind a transaction pooler (documented)
     }
@@ -265,7 +227,7 @@ async fn storm(env: &Env, pool: &Pool, prefix: &str, v: V, seed: u64) -> (Vec<St
     for (key, what, task) in tasks {
         done.push((key, what, task.await.unwrap_or_else(|_| "panicked".into())));
     }
-    settle_holds(env, prefix).await;
+    settle_holds(env, prefix, 2000).await;
     let (mut problems, mut answers) = (Vec::new(), BTreeMap::<String, usize>::new());
     for (key, what, ans) in &done {
         *answers.entry(ans.chars().take(30).collect()).or_default() += 1;
@@ -278,7 +240,7 @@ async fn storm(env: &Env, pool: &Pool, prefix: &str, v: V, seed: u64) -> (Vec<St
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack41_storm_of_drops_around_a_slow_commit() {
-    let env = env41(3).await;
+    let env = env_slow(3).await;
     let (one, two) = (pool_of(&env.db, 1), pool_of(&env.db, 2));
     report(vec![
         storm(&env, &one, "ct1", V::Rc, 0xdead_beef).await,
@@ -306,7 +268,7 @@ async fn calls(
             out.push((key, format!("{steps:?} end {end}: {ans}"), t0.elapsed()));
         }
     }
-    settle_holds(env, p).await;
+    settle_holds(env, p, 2000).await;
     out
 }
 
@@ -321,7 +283,7 @@ async fn calls(
 /// withheld, and unanswered ends, as the body's end (`ended::body_end`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_pipelined_rollback_then_ok_answers_connection_lost() {
-    let env = env41(2).await;
+    let env = env_slow(2).await;
     #[rustfmt::skip]
     let cases: &[(&'static [A], u8)] = &[(&[J(&["ROLLBACK", "ROLLBACK", N2])], OK),
         (&[J(&["ABORT AND CHAIN", N2, "COMMIT"])], OK), (&[J(&["ROLLBACK", "SELECT pg_sleep(6)", N2])], OK)];
@@ -353,7 +315,7 @@ async fn found_pipelined_rollback_then_ok_answers_connection_lost() {
 /// an unanswered `COMMIT`, `END` or `PREPARE` (`Says::commit_end`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_long_statement_after_a_plain_rollback_is_awaited_not_cancelled() {
-    let env = env41(2).await;
+    let env = env_slow(2).await;
     if env.db.via().is_transaction_pooling() {
         return; // no cancel behind a transaction pooler (documented)
     }
@@ -383,7 +345,7 @@ async fn found_long_statement_after_a_plain_rollback_is_awaited_not_cancelled() 
 /// write under way, its answer cut off. Fixed (session 42): `Wire::sever_unless`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_dropped_call_holds_its_key_over_a_failed_commit() {
-    let env = env41(2).await;
+    let env = env_slow(2).await;
     #[rustfmt::skip]
     let cases: &[(&'static [A], u8)] = &[(&[W(BAD3), Jq(&["COMMIT", N2, XN2]), Ms(30), Q(N2)], HANG),
         (&[W(BAD3), Jq(&["COMMIT", N2, XN2]), Ms(30), Q(N2)], PANIC), (&[W(BAD3), Q("COMMIT"), Q(N2)], HANG)];
@@ -413,7 +375,7 @@ async fn found_dropped_call_holds_its_key_over_a_failed_commit() {
 /// was idem's lone `COMMIT`, nothing of the body's (`withheld_only_a_commit`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_queued_commit_and_insert_then_ok_is_answered_ok() {
-    let env = env41(2).await;
+    let env = env_slow(2).await;
     #[rustfmt::skip]
     let cases: &[(&'static [A], u8)] = &[(&[W(OK3), Q("COMMIT"), Q(N2)], OK), (&[Q("COMMIT"), Q(N2)], OK)];
     let mut bad = Vec::new();

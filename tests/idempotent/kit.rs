@@ -1,4 +1,4 @@
-//! What the hostile passes share (`attack_session40`, `attack_session41`): a
+//! What the hostile passes share (`attack_session40` to `42`): a
 //! body built from steps, the ways it ends, the call shapes it runs under,
 //! one call given up at a point, and the report of what each case found.
 use super::*;
@@ -27,11 +27,11 @@ async fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> std::task::Poll
 /// savepoint rolled back); `J`: the requests pipelined through
 /// `&AsyncPgConnection` with `join_all`, awaited (an `x:` prefix: through
 /// `diesel::sql_query`, the extended protocol); `Jq`: the same polled once
-/// and dropped.
+/// and dropped; `Y`: that many yields to the scheduler.
 #[rustfmt::skip]
 #[derive(Clone, Copy, Debug)]
 pub(super) enum A { Q(&'static str), W(&'static str), E(&'static str), D(&'static str), X(&'static str),
-    Ms(u64), Nest(&'static str, bool), J(&'static [&'static str]), Jq(&'static [&'static str]) }
+    Ms(u64), Nest(&'static str, bool), J(&'static [&'static str]), Jq(&'static [&'static str]), Y(u32) }
 pub(super) use A::*;
 
 /// How the body ends (`HANG`: waits, the caller gives up once it is
@@ -42,6 +42,41 @@ pub(super) mod ends { pub const OK: u8 = 0; pub const FINAL: u8 = 1; pub const P
 pub(super) use ends::*;
 pub(super) const N2: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 2)";
 pub(super) const N3: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 3)";
+
+/// A `COMMIT` that takes `ms` and then succeeds or fails (`slowc`), or
+/// fails as a serialization failure (`serc`): deferred triggers.
+const SLOW_COMMITS: &str =
+    "CREATE TABLE slowc (tag text NOT NULL, ms int NOT NULL, fail bool NOT NULL);
+    CREATE FUNCTION slowc_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+      PERFORM pg_sleep(NEW.ms / 1000.0);
+      IF NEW.fail THEN RAISE EXCEPTION 'slowc: the deferred check fails'; END IF;
+      RETURN NULL; END $$;
+    CREATE CONSTRAINT TRIGGER slowc_t AFTER INSERT ON slowc DEFERRABLE INITIALLY DEFERRED
+      FOR EACH ROW EXECUTE FUNCTION slowc_f();
+    CREATE TABLE serc (tag text NOT NULL, ms int NOT NULL);
+    CREATE FUNCTION serc_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+      PERFORM pg_sleep(NEW.ms / 1000.0);
+      RAISE EXCEPTION 'serc: could not serialize' USING ERRCODE = '40001'; END $$;
+    CREATE CONSTRAINT TRIGGER serc_t AFTER INSERT ON serc DEFERRABLE INITIALLY DEFERRED
+      FOR EACH ROW EXECUTE FUNCTION serc_f();";
+pub(super) const OK0: &str = "INSERT INTO slowc VALUES ('{k}', 0, false)";
+pub(super) const BAD0: &str = "INSERT INTO slowc VALUES ('{k}', 0, true)";
+pub(super) const OK3: &str = "INSERT INTO slowc VALUES ('{k}', 300, false)";
+pub(super) const BAD3: &str = "INSERT INTO slowc VALUES ('{k}', 300, true)";
+pub(super) const OK15: &str = "INSERT INTO slowc VALUES ('{k}', 1500, false)";
+pub(super) const BAD15: &str = "INSERT INTO slowc VALUES ('{k}', 1500, true)";
+pub(super) const SER0: &str = "INSERT INTO serc VALUES ('{k}', 0)";
+pub(super) const SER3: &str = "INSERT INTO serc VALUES ('{k}', 300)";
+
+/// [`env`] with the slow `COMMIT`s' tables.
+pub(super) async fn env_slow(size: usize) -> Env {
+    let env = env(size).await;
+    env.client
+        .batch_execute(SLOW_COMMITS)
+        .await
+        .expect("slow commits");
+    env
+}
 
 /// A body: its steps after the effect (n = 1), then its end.
 pub(super) struct Q {
@@ -96,6 +131,7 @@ async fn body(conn: &mut AsyncPgConnection, key: &str, q: &Q, reached: &Notify) 
             }
             J(parts) => drop(join_all(pipe(conn, key, parts)).await),
             Jq(parts) => drop(join_all(pipe(conn, key, parts)).now_or_never()),
+            Y(n) => for _ in 0..n { tokio::task::yield_now().await },
         }
     }
     reached.notify_one();
@@ -238,8 +274,8 @@ pub(super) async fn each(
 pub(super) async fn hygiene(env: &Env, pool: &Pool, prefix: &str) -> Vec<String> {
     let mut problems = Vec::new();
     let idle = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                AND (state LIKE 'idle in transaction%' OR (state = 'active' AND query LIKE '%pg_sleep%' \
-                AND pid <> pg_backend_pid()))";
+                AND pid <> pg_backend_pid() AND (state LIKE 'idle in transaction%' \
+                OR (state = 'active' AND query ~ 'pg_sleep|slowc|serc'))";
     if !eventually(TEN, || async { env.scalar(idle).await == 0 }).await {
         problems.push(format!(
             "{prefix}: backends left idle in a transaction or sleeping"
@@ -253,4 +289,42 @@ pub(super) async fn hygiene(env: &Env, pool: &Pool, prefix: &str) -> Vec<String>
         }
     }
     problems
+}
+
+/// Waits `ms` (past the slowest statement a body queued), then until every
+/// key under `prefix` with an effect has a record (background holds land).
+pub(super) async fn settle_holds(env: &Env, prefix: &str, ms: u64) {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    let like = format!("{prefix}-%");
+    let unheld = "SELECT count(DISTINCT tag) FROM effects e WHERE e.tag LIKE $1 AND NOT EXISTS \
+                  (SELECT 1 FROM idem_requests r WHERE r.key = e.tag)";
+    let none_unheld = || async {
+        let n: i64 = env.client.query_one(unheld, &[&like]).await.unwrap().get(0);
+        n == 0
+    };
+    if !eventually(TEN, none_unheld).await {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// The key's call repeated once (`EMPTY`): over a key left free it runs
+/// again, over a record or a hold it must not (`effects`: before it).
+pub(super) async fn repeats(
+    env: &Env,
+    pool: &Pool,
+    v: V,
+    key: &str,
+    what: &str,
+    recorded: bool,
+    effects: i64,
+) -> Option<String> {
+    let again = tokio::time::timeout(TEN / 2, call(pool, v, key, &EMPTY, &Notify::new())).await;
+    let after = env.effects(key).await;
+    match recorded {
+        false if after != effects + 1 => Some(format!(
+            "{what}: key free, repeat {again:?}, effects then {after}"
+        )),
+        true if after != effects => Some(format!("{what}: held or done, repeat ran: {again:?}")),
+        _ => None,
+    }
 }
