@@ -87,6 +87,14 @@ impl Tx {
     /// Best effort: without a Tokio runtime, or when the server refuses a
     /// cancel request without TLS, the statement runs to its end.
     pub(crate) fn cancel_and_discard(&mut self) {
+        self.cancel_running();
+        // Closed at once, not after the cancel, which needs no answer.
+        self.discard();
+    }
+
+    /// Send a cancel request for the statement the server runs for this
+    /// transaction (see [`Tx::cancel_and_discard`]), the connection kept.
+    pub(super) fn cancel_running(&self) {
         // Behind a transaction pooler the cancel of a client that is closing
         // is dropped anyway, and PgBouncer 1.18 (Debian 12) exits when a
         // cancel it is forwarding meets that client's disconnect, taking
@@ -98,8 +106,6 @@ impl Tx {
         if let Some(conn) = self.conn.as_ref().filter(|_| !pooled) {
             cancel(conn.cancel_token());
         }
-        // Closed at once, not after the cancel, which needs no answer.
-        self.discard();
     }
 }
 

@@ -88,7 +88,11 @@ impl Tx {
             )
             .await
         };
-        self.unguard();
+        // Kept up while a handed-on transaction reads its way past the
+        // body's `COMMIT` below: what the body queued behind it stays held.
+        if rolled_back.is_ok() || !self.handed_off() {
+            self.unguard();
+        }
         match rolled_back {
             Ok(Ok(())) if broken => {
                 self.discard();
@@ -116,6 +120,20 @@ impl Tx {
                 // on in the chained transaction, without idem's bounds.
                 self.cancel_and_discard();
                 (lost, Some(wire), false)
+            }
+            // Handed on, behind the body's own `COMMIT` still running (a
+            // deferred check slower than `timeout`): cancelled, then its
+            // answer read, within `timeout` again. A `COMMIT` the cancel
+            // aborted committed nothing, and holds nothing.
+            Err(_elapsed) if self.handed_off() => {
+                tracing::warn!("ROLLBACK got no answer behind the body's own COMMIT; cancelling it and reading how it ended");
+                self.cancel_running();
+                // The seal may close the connection at a write the body
+                // queued behind its `COMMIT`, once that is answered: then
+                // the `ROLLBACK` is not, and the wire's marks say the rest.
+                let answered = wire.settled(timeout).await && !wire.closed();
+                self.discard();
+                (!answered && !behind, Some(wire), answered)
             }
             Err(_elapsed) => {
                 tracing::warn!(behind, "ROLLBACK got no answer; discarding the connection");
