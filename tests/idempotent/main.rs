@@ -38,6 +38,7 @@ mod attack_session39;
 mod attack_session40;
 mod attack_session41;
 mod attack_session42;
+mod attack_session43;
 mod attack_swap;
 mod attack_third;
 mod attack_unanswered;
