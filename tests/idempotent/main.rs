@@ -39,6 +39,7 @@ mod attack_session40;
 mod attack_session41;
 mod attack_session42;
 mod attack_session43;
+mod attack_session44;
 mod attack_swap;
 mod attack_third;
 mod attack_unanswered;
