@@ -2,6 +2,8 @@
 //! pool: a plain discard, a cancel of what its backend may still run, and
 //! both connections of a body that swapped the one it was lent.
 
+use std::time::Duration;
+
 use deadpool::managed::Object;
 
 use super::Tx;
@@ -92,9 +94,27 @@ impl Tx {
         self.discard();
     }
 
+    /// [`Tx::cancel_and_discard`], but the answers are read first, within
+    /// `timeout`, the write guard kept up (what the body queued behind is
+    /// not written meanwhile): for a `COMMIT` of the body's still running
+    /// when idem stopped waiting (a deferred check slower than
+    /// `commit_timeout_ms`), whose answer, not its silence, must decide
+    /// what is held. A `COMMIT` the cancel aborted committed nothing.
+    ///
+    /// Returns whether every request was answered on the open connection.
+    pub(super) async fn cancel_and_read(&mut self, wire: &Wire, timeout: Duration) -> bool {
+        self.cancel_running();
+        // The seal may close the connection at a write the body queued
+        // behind its `COMMIT`, once that is answered: the wire's marks
+        // then say how the `COMMIT` ended.
+        let answered = wire.settled(timeout).await && !wire.closed();
+        self.discard();
+        answered
+    }
+
     /// Send a cancel request for the statement the server runs for this
     /// transaction (see [`Tx::cancel_and_discard`]), the connection kept.
-    pub(super) fn cancel_running(&self) {
+    fn cancel_running(&self) {
         // Behind a transaction pooler the cancel of a client that is closing
         // is dropped anyway, and PgBouncer 1.18 (Debian 12) exits when a
         // cancel it is forwarding meets that client's disconnect, taking

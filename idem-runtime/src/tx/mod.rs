@@ -397,8 +397,10 @@ impl Tx {
     /// rolled back (which also ends a transaction the body began itself).
     ///
     /// It first settles the body's requests ([`Tx::settle`]). One unanswered
-    /// then that may commit counts as committed; any other still running
-    /// is cancelled with its transaction: nothing is committed, for certain.
+    /// then that may commit is cancelled and its answer read (see
+    /// [`Tx::cancel_and_read`]), and counts as committed if none comes; any
+    /// other still running is cancelled with its transaction: nothing is
+    /// committed, for certain.
     pub(crate) async fn refuse(&mut self, timeout: Duration) -> Option<CommitFailure> {
         // Checked first: every other check reads the wire, which watches
         // the session idem began on, not the one swapped in.
@@ -407,11 +409,17 @@ impl Tx {
             return Some(CommitFailure::Replaced);
         }
         match self.settle(timeout).await {
+            // Cancelled, then read within `timeout` again: a `COMMIT` the
+            // cancel aborted committed nothing; one still unanswered counts
+            // as committed.
             Some(Settled::MayHaveCommitted) => {
-                tracing::warn!("a COMMIT the body sent is unanswered; closing the connection, counted as committed");
-                self.cancel_and_discard();
+                tracing::warn!(
+                    "a COMMIT the body sent is unanswered; cancelling it and reading how it ended"
+                );
+                let wire = self.wire_arc();
+                self.cancel_and_read(&wire, timeout).await;
                 return Some(CommitFailure::EndedByBody {
-                    committed: true,
+                    committed: ended::committed_since(&wire, self.begun),
                     recorded: false,
                 });
             }

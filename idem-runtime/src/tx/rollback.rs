@@ -88,9 +88,10 @@ impl Tx {
             )
             .await
         };
-        // Kept up while a handed-on transaction reads its way past the
-        // body's `COMMIT` below: what the body queued behind it stays held.
-        if rolled_back.is_ok() || !self.handed_off() {
+        // Kept up while a `ROLLBACK` that timed out is read past the body's
+        // `COMMIT` below, or the connection closes: what the body queued
+        // behind it stays held (see `Wire::guard`).
+        if rolled_back.is_ok() {
             self.unguard();
         }
         match rolled_back {
@@ -121,18 +122,13 @@ impl Tx {
                 self.cancel_and_discard();
                 (lost, Some(wire), false)
             }
-            // Handed on, behind the body's own `COMMIT` still running (a
-            // deferred check slower than `timeout`): cancelled, then its
-            // answer read, within `timeout` again. A `COMMIT` the cancel
-            // aborted committed nothing, and holds nothing.
-            Err(_elapsed) if self.handed_off() => {
+            // Behind the body's own `COMMIT` still running (a deferred
+            // check slower than `timeout`), handed on or not: cancelled,
+            // then its answer read, within `timeout` again. A `COMMIT` the
+            // cancel aborted committed nothing, and holds nothing.
+            Err(_elapsed) if self.handed_off() || wire.unanswered_may_commit() => {
                 tracing::warn!("ROLLBACK got no answer behind the body's own COMMIT; cancelling it and reading how it ended");
-                self.cancel_running();
-                // The seal may close the connection at a write the body
-                // queued behind its `COMMIT`, once that is answered: then
-                // the `ROLLBACK` is not, and the wire's marks say the rest.
-                let answered = wire.settled(timeout).await && !wire.closed();
-                self.discard();
+                let answered = self.cancel_and_read(&wire, timeout).await;
                 (!answered && !behind, Some(wire), answered)
             }
             Err(_elapsed) => {
