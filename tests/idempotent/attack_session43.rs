@@ -4,7 +4,6 @@
 //! pool behind it; what later callers on that pool get. Counted in the DB.
 use super::kit::*;
 use super::*;
-use tokio::sync::Notify;
 
 /// A `COMMIT` slower than `commit_timeout_ms` (3 s), failing or not.
 const BAD40: &str = "INSERT INTO slowc VALUES ('{k}', 4000, true)";
@@ -17,71 +16,6 @@ const SHAPES: [&[A]; 6] = [&[W(OK3), Q("COMMIT"), Q(N2)], &[W(BAD3), Q("COMMIT")
     &[W(OK3), Q("COMMIT")], &[W(BAD3), Q("COMMIT")], &[W(SER3), Q("COMMIT"), Q(N2)],
     &[W(OK3), Q("COMMIT"), Q(N2), Q(N3)]];
 
-/// One key: the call dropped after `us` µs, `dups` duplicates started 5 ms
-/// after it (queued on the pool); what is wrong with the key afterwards.
-#[rustfmt::skip]
-async fn dropped_with_dups(pool: &Pool, v: V, key: &str, steps: &'static [A], end: u8, us: u64, dups: usize)
-    -> (String, Vec<String>) {
-    let (p, k) = (pool.clone(), key.to_owned());
-    let first = tokio::spawn(async move { one(&p, v, &k, &Q { steps, end }, Some(us)).await });
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let mut tasks = Vec::new();
-    for _ in 0..dups {
-        let (p, k) = (pool.clone(), key.to_owned());
-        tasks.push(tokio::spawn(async move {
-            let r = tokio::time::timeout(TEN, call(&p, v, &k, &EMPTY, &Notify::new())).await;
-            format!("{r:?}").chars().take(50).collect::<String>()
-        }));
-    }
-    let ans = first.await.unwrap_or_else(|_| "task panicked".into());
-    let mut answers = Vec::new();
-    for t in tasks {
-        answers.push(t.await.unwrap_or_else(|_| "task panicked".into()));
-    }
-    (ans, answers)
-}
-
-/// What is wrong with `key` (settled): more than `most` effects (1; on a
-/// pool of two, the duplicate waiting on the advisory lock may run again,
-/// as documented), a write behind the
-/// body's end, an effect with its key free, a hold over nothing.
-#[rustfmt::skip]
-async fn wrong(env: &Env, v: V, key: &str, what: &str, most: i64) -> Option<String> {
-    let (n1, n2) = (n_of(env, key, 1).await, n_of(env, key, 2).await);
-    let rec = env.record(key).await;
-    let state = rec.as_ref().map(|r| r.0.clone());
-    let what = format!("{key} [{what}]: n1 {n1} n2 {n2} rec {rec:?}");
-    if n2 > 0 { return Some(format!("{what}: a write behind the body's COMMIT ran")); }
-    if plain(v) { return None; }
-    if n1 > most { return Some(format!("{what}: the effect committed more than {most}")); }
-    if n1 > 0 && state.is_none() { return Some(format!("{what}: effect committed, key free")); }
-    if v != V::Ext && n1 == 0 && state.as_deref() == Some("unknown") { return Some(format!("{what}: held over nothing")); }
-    None
-}
-
-/// Later calls on `pool`: local ones (one opening a savepoint of its own:
-/// a broken transaction manager handed on would refuse it), plain ones.
-async fn later_calls(env: &Env, pool: &Pool, p: &str, n: usize) -> Vec<String> {
-    let mut bad = hygiene(env, pool, p).await;
-    for i in 0..n {
-        let key = format!("{p}-later-{i}");
-        let steps: &'static [A] = [&[][..], &[Nest(N2, false)][..]][i % 2];
-        let v = [V::Rc, V::Plain, V::Sr][i % 3];
-        let r = tokio::time::timeout(
-            TEN,
-            call(pool, v, &key, &Q { steps, end: OK }, &Notify::new()),
-        )
-        .await;
-        let (n1, n3) = (n_of(env, &key, 1).await, n_of(env, &key, 3).await);
-        if !matches!(r, Ok(Ok(x)) if x > 0) || n1 != 1 || n3 != 0 {
-            bad.push(format!(
-                "{key} {v:?} {steps:?}: later call {r:?}, n1 {n1} n3 {n3}"
-            ));
-        }
-    }
-    bad
-}
-
 /// Every shape, ends `PLAIN`/`FINAL`/`PANIC`, dropped 20-260 ms in
 /// (inside idem's `ROLLBACK` behind the 300 ms `COMMIT`), `dups` queued.
 async fn sweep(env: &Env, pool: &Pool, p: &str, v: V, dups: usize, rounds: u64) -> Vec<String> {
@@ -92,7 +26,7 @@ async fn sweep(env: &Env, pool: &Pool, p: &str, v: V, dups: usize, rounds: u64) 
         let end = [PLAIN, FINAL, PANIC][(t / 6 % 3) as usize];
         let us = 20_000 + (t * 37_003) % 240_000;
         let key = format!("{p}-{t}");
-        let (ans, dup) = dropped_with_dups(pool, v, &key, steps, end, us, dups).await;
+        let (ans, dup) = with_dups(pool, v, &key, steps, end, Some(us), dups).await;
         done.push((
             key,
             format!("{steps:?} end {end} drop {us}us: {ans}; dups {dup:?}"),
@@ -101,17 +35,11 @@ async fn sweep(env: &Env, pool: &Pool, p: &str, v: V, dups: usize, rounds: u64) 
     settle_holds(env, p, 1500).await;
     let mut bad = Vec::new();
     for (key, what) in &done {
-        bad.extend(wrong(env, v, key, what, most).await);
+        bad.extend(wrong(env, v, key, what, most, false).await);
     }
     eprintln!("{p}: {} of {} keys wrong", bad.len(), done.len());
-    bad.extend(later_calls(env, pool, p, 9).await);
+    bad.extend(later(env, pool, p, 9).await);
     bad
-}
-
-#[rustfmt::skip]
-fn verdict(bad: &[String]) {
-    bad.iter().take(10).for_each(|b| eprintln!("  {b}"));
-    assert!(bad.is_empty(), "{} problems: {:?}", bad.len(), bad.first());
 }
 
 // ---------------------------------------------------------------------------
@@ -183,7 +111,7 @@ async fn found_commit_slower_than_the_timeout_cancelled_then_held_over_nothing()
         for (end, us) in [(PLAIN, Some(200_000)), (HANG, None), (PANIC, None)] {
             let key = format!("sl-{t}-{end}");
             let (ans, dup) = match us {
-                Some(us) => dropped_with_dups(&p1, V::Rc, &key, steps, end, us, 2).await,
+                Some(_) => with_dups(&p1, V::Rc, &key, steps, end, us, 2).await,
                 None => (one(&p1, V::Rc, &key, &Q { steps, end }, None).await, vec![]),
             };
             done.push((
@@ -197,9 +125,9 @@ async fn found_commit_slower_than_the_timeout_cancelled_then_held_over_nothing()
     for (key, what) in &done {
         let (n1, rec) = (n_of(&env, key, 1).await, env.record(key).await);
         eprintln!("{key}: n1 {n1} {rec:?}");
-        bad.extend(wrong(&env, V::Rc, key, what, 1).await);
+        bad.extend(wrong(&env, V::Rc, key, what, 1, false).await);
     }
     eprintln!("{} of {} keys wrong", bad.len(), done.len());
-    bad.extend(later_calls(&env, &p1, "sl", 6).await);
+    bad.extend(later(&env, &p1, "sl", 6).await);
     verdict(&bad);
 }

@@ -6,7 +6,6 @@
 //! paths of a call that is not dropped. Counted in the database.
 use super::kit::*;
 use super::*;
-use tokio::sync::Notify;
 
 /// A deferred check that ignores cancels: it sleeps in 50 ms slices, each
 /// one's `query_canceled` caught, until `ms` have passed, then fails or not.
@@ -37,65 +36,6 @@ fn commit_after(first: A, behind: bool) -> &'static [A] {
     Box::leak(v.into_boxed_slice())
 }
 
-/// One key: the call (dropped after `us` µs, else run to its end or given
-/// up at `HANG`), `dups` duplicates started 5 ms after it; the answers.
-#[rustfmt::skip]
-async fn with_dups(pool: &Pool, v: V, key: &str, steps: &'static [A], end: u8, us: Option<u64>, dups: usize)
-    -> String {
-    let (p, k) = (pool.clone(), key.to_owned());
-    let first = tokio::spawn(async move { one(&p, v, &k, &Q { steps, end }, us).await });
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let mut tasks = Vec::new();
-    for _ in 0..dups {
-        let (p, k) = (pool.clone(), key.to_owned());
-        tasks.push(tokio::spawn(async move {
-            let r = tokio::time::timeout(TEN * 2, call(&p, v, &k, &EMPTY, &Notify::new())).await;
-            format!("{r:?}").chars().take(48).collect::<String>()
-        }));
-    }
-    let ans = first.await.unwrap_or_else(|_| "task panicked".into());
-    let mut answers = Vec::new();
-    for t in tasks {
-        answers.push(t.await.unwrap_or_else(|_| "task panicked".into()));
-    }
-    format!("{}; dups {answers:?}", ans.chars().take(70).collect::<String>())
-}
-
-/// What is wrong with `key` (settled): more than `most` effects, a write
-/// behind the body's `COMMIT` that ran, an effect with its key free, a hold
-/// over nothing (unless `lax`: a `COMMIT` whose answer never came).
-#[rustfmt::skip]
-async fn wrong(env: &Env, v: V, key: &str, what: &str, most: i64, lax: bool) -> Option<String> {
-    let (n1, n2) = (n_of(env, key, 1).await, n_of(env, key, 2).await);
-    let state = env.record(key).await.map(|r| r.0);
-    let what = format!("{key} [{what}]: n1 {n1} n2 {n2} rec {state:?}");
-    eprintln!("  {what}");
-    if n2 > 0 { return Some(format!("{what}: a write behind the body's COMMIT ran")); }
-    if plain(v) { return None; }
-    if n1 > most { return Some(format!("{what}: the effect committed more than {most}")); }
-    if n1 > 0 && state.is_none() { return Some(format!("{what}: effect committed, key free")); }
-    let over_nothing = n1 == 0 && state.as_deref() == Some("unknown");
-    if v != V::Ext && over_nothing && !lax { return Some(format!("{what}: held over nothing")); }
-    None
-}
-
-/// Later calls on `pool` (a savepoint among them), after the hygiene check.
-async fn later(env: &Env, pool: &Pool, p: &str) -> Vec<String> {
-    let mut bad = hygiene(env, pool, p).await;
-    for i in 0..4 {
-        let key = format!("{p}-later-{i}");
-        let steps: &'static [A] = [&[][..], &[Nest(N2, false)][..]][i % 2];
-        let v = [V::Rc, V::Sr, V::Plain, V::Rc][i];
-        let q = Q { steps, end: OK };
-        let r = tokio::time::timeout(TEN, call(pool, v, &key, &q, &Notify::new())).await;
-        let (n1, n3) = (n_of(env, &key, 1).await, n_of(env, &key, 3).await);
-        if !matches!(r, Ok(Ok(x)) if x > 0) || n1 != 1 || n3 != 0 {
-            bad.push(format!("{key} {v:?}: later call {r:?}, n1 {n1} n3 {n3}"));
-        }
-    }
-    bad
-}
-
 /// One case: the call shape, the body, its end, when the call is dropped
 /// (µs), and whether a hold over nothing is allowed (`lax`).
 type Case = (V, &'static [A], u8, Option<u64>, bool);
@@ -110,7 +50,8 @@ async fn sweep(env: &Env, pool: &Pool, p: &str, cases: &[Case], dups: usize, ms:
     for (t, &(v, steps, end, us, lax)) in cases.iter().enumerate() {
         let key = format!("{p}-{t}");
         let started = Instant::now();
-        let ans = with_dups(pool, v, &key, steps, end, us, dups).await;
+        let (ans, dups) = with_dups(pool, v, &key, steps, end, us, dups).await;
+        let ans = format!("{ans}; dups {dups:?}");
         let what = format!("{v:?} {steps:?} end {end} drop {us:?} in {:?}: {ans}", started.elapsed());
         done.push((key, v, what, lax));
     }
@@ -120,14 +61,8 @@ async fn sweep(env: &Env, pool: &Pool, p: &str, cases: &[Case], dups: usize, ms:
         bad.extend(wrong(env, *v, key, what, most, *lax).await);
     }
     eprintln!("{p}: {} of {} keys wrong", bad.len(), done.len());
-    bad.extend(later(env, pool, p).await);
+    bad.extend(later(env, pool, p, 4).await);
     bad
-}
-
-#[rustfmt::skip]
-fn verdict(bad: &[String]) {
-    bad.iter().take(12).for_each(|b| eprintln!("  {b}"));
-    assert!(bad.is_empty(), "{} problems: {:?}", bad.len(), bad.first());
 }
 
 // ---------------------------------------------------------------------------
@@ -275,7 +210,7 @@ async fn attack44_ok_end_commit_slower_than_the_timeout_rides() {
     verdict(&sweep(&env, &one, "okend", &cases, 1, 2000).await);
 }
 
-/// Found, open (ignored until fixed; fails every run): a call NOT dropped (nor panicking) whose body queues a `COMMIT`
+/// Found (fixed; failed every run before): a call NOT dropped (nor panicking) whose body queues a `COMMIT`
 /// slower than `commit_timeout_ms` (3 s; a deferred check of 3.3, 4 or 7 s,
 /// succeeding or failing, `N2` behind or not) and returns an error
 /// (`PLAIN`, `FINAL`); pool of one, one duplicate queued. Seen: the call
@@ -289,15 +224,16 @@ async fn attack44_ok_end_commit_slower_than_the_timeout_rides() {
 /// 7 s `COMMIT` after ~6.07 s. Promise (docs/idempotent.md):
 /// a `COMMIT` still running at `commit_timeout_ms` is cancelled and its
 /// answer read; one the cancel aborted holds nothing; a key is held only
-/// if the body's writes may have committed. Suspected cause: f8ef65d fixed
+/// if the body's writes may have committed. Cause: f8ef65d fixed
 /// only the handed-on transaction: `Tx::send_rollback` (tx/rollback.rs),
-/// its last `Err(_elapsed)` arm (not handed on), still calls
+/// its last `Err(_elapsed)` arm (not handed on), called
 /// `cancel_and_discard`, aborting the body's `COMMIT` unread, and
-/// `ended::body_end` then counts it committed (`unanswered_may_commit`).
+/// `ended::body_end` then counted it committed (`unanswered_may_commit`).
+/// Fixed: that arm, the hand-off's and `Tx::refuse` share
+/// `Tx::cancel_and_read` (the guard kept up, the answer read).
 /// (`ended_by_body_settled` in `leave` does not help: the body's queued
 /// `COMMIT` is not yet on the wire when it looks.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open defect, not fixed yet: run with --ignored (see the doc comment)"]
 async fn found_error_end_commit_slower_than_the_timeout_cancelled_then_held() {
     let env = env_slow(2).await;
     let one = pool_of(&env.db, 1);
@@ -312,21 +248,20 @@ async fn found_error_end_commit_slower_than_the_timeout_cancelled_then_held() {
     verdict(&sweep(&env, &one, "errend", &cases, 1, 2000).await);
 }
 
-/// Found, open (ignored until fixed; fails every run): as above, but the body's `COMMIT` is on the wire before idem
+/// Found (fixed; failed every run before): as above, but the body's `COMMIT` is on the wire before idem
 /// looks (the body sleeps 50 ms after queuing it) and it returns `Ok`: a
 /// `COMMIT` of 3.5, 4 or 7 s, succeeding or failing, `N2` queued behind or
 /// not; pool of one, one duplicate queued. Seen: answered
 /// `TransactionEnded { committed: true }` after ~3.07 s, the key held
 /// `unknown` with n1 = 0, the duplicate refused `OutcomeUnknown`: 6 of 6
-/// keys in each of 3 runs. Promise as above. Suspected cause: `Tx::refuse`
+/// keys in each of 3 runs. Promise as above. Cause: `Tx::refuse`
 /// (tx/mod.rs): `settle(timeout)` says `MayHaveCommitted` (the `COMMIT`
-/// still running at 3 s), and it calls `cancel_and_discard` and answers
+/// still running at 3 s), and it called `cancel_and_discard` and answered
 /// `EndedByBody { committed: true }`, the cancelled `COMMIT`'s answer
 /// never read. (With an error end the same `COMMIT` is read: the
 /// `ROLLBACK` waits 3 s more, and only a `COMMIT` over 6 s is held over
 /// nothing, by the `send_rollback` arm above.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open defect, not fixed yet: run with --ignored (see the doc comment)"]
 async fn found_ok_end_commit_on_the_wire_slower_than_the_timeout_cancelled_then_held() {
     let env = env_slow(2).await;
     let one = pool_of(&env.db, 1);

@@ -1,6 +1,7 @@
-//! What the hostile passes share (`attack_session40` to `42`): a
+//! What the hostile passes share (`attack_session40` to `44`): a
 //! body built from steps, the ways it ends, the call shapes it runs under,
-//! one call given up at a point, and the report of what each case found.
+//! one call given up at a point (duplicates queued behind it), what is
+//! wrong with a key afterwards, and the report of what each case found.
 use super::*;
 use futures_util::future::{join_all, BoxFuture};
 use futures_util::FutureExt;
@@ -327,4 +328,77 @@ pub(super) async fn repeats(
         true if after != effects => Some(format!("{what}: held or done, repeat ran: {again:?}")),
         _ => None,
     }
+}
+
+/// One key: the call (dropped after `us` µs, else run to its end or given
+/// up at `HANG`), `dups` duplicates started 5 ms after it (queued on the
+/// pool): the call's answer and the duplicates'.
+#[rustfmt::skip]
+pub(super) async fn with_dups(pool: &Pool, v: V, key: &str, steps: &'static [A], end: u8,
+    us: Option<u64>, dups: usize) -> (String, Vec<String>) {
+    let (p, k) = (pool.clone(), key.to_owned());
+    let first = tokio::spawn(async move { one(&p, v, &k, &Q { steps, end }, us).await });
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut tasks = Vec::new();
+    for _ in 0..dups {
+        let (p, k) = (pool.clone(), key.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let r = tokio::time::timeout(TEN * 2, call(&p, v, &k, &EMPTY, &Notify::new())).await;
+            format!("{r:?}").chars().take(50).collect::<String>()
+        }));
+    }
+    let ans = first.await.unwrap_or_else(|_| "task panicked".into());
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap_or_else(|_| "task panicked".into()));
+    }
+    (ans.chars().take(70).collect(), answers)
+}
+
+/// What is wrong with `key` (settled): more than `most` effects (on a pool
+/// of two, a duplicate waiting on the advisory lock may run again, as
+/// documented), a write behind the body's `COMMIT` that ran, an effect with
+/// its key free, a hold over nothing (unless `lax`: a `COMMIT` whose answer
+/// never came).
+#[rustfmt::skip]
+pub(super) async fn wrong(env: &Env, v: V, key: &str, what: &str, most: i64, lax: bool)
+    -> Option<String> {
+    let (n1, n2) = (n_of(env, key, 1).await, n_of(env, key, 2).await);
+    let state = env.record(key).await.map(|r| r.0);
+    let what = format!("{key} [{what}]: n1 {n1} n2 {n2} rec {state:?}");
+    eprintln!("  {what}");
+    if n2 > 0 { return Some(format!("{what}: a write behind the body's COMMIT ran")); }
+    if plain(v) { return None; }
+    if n1 > most { return Some(format!("{what}: the effect committed more than {most}")); }
+    if n1 > 0 && state.is_none() { return Some(format!("{what}: effect committed, key free")); }
+    let over_nothing = n1 == 0 && state.as_deref() == Some("unknown");
+    if v != V::Ext && over_nothing && !lax { return Some(format!("{what}: held over nothing")); }
+    None
+}
+
+/// After [`hygiene`], `n` later calls on `pool`, local ones (one opening a
+/// savepoint of its own: a broken transaction manager handed on would
+/// refuse it) and plain ones.
+pub(super) async fn later(env: &Env, pool: &Pool, p: &str, n: usize) -> Vec<String> {
+    let mut bad = hygiene(env, pool, p).await;
+    for i in 0..n {
+        let key = format!("{p}-later-{i}");
+        let steps: &'static [A] = [&[][..], &[Nest(N2, false)][..]][i % 2];
+        let v = [V::Rc, V::Plain, V::Sr][i % 3];
+        let q = Q { steps, end: OK };
+        let r = tokio::time::timeout(TEN, call(pool, v, &key, &q, &Notify::new())).await;
+        let (n1, n3) = (n_of(env, &key, 1).await, n_of(env, &key, 3).await);
+        if !matches!(r, Ok(Ok(x)) if x > 0) || n1 != 1 || n3 != 0 {
+            bad.push(format!(
+                "{key} {v:?} {steps:?}: later call {r:?}, n1 {n1} n3 {n3}"
+            ));
+        }
+    }
+    bad
+}
+
+/// The first problems printed; fails on any.
+pub(super) fn verdict(bad: &[String]) {
+    bad.iter().take(12).for_each(|b| eprintln!("  {b}"));
+    assert!(bad.is_empty(), "{} problems: {:?}", bad.len(), bad.first());
 }
