@@ -237,12 +237,15 @@ async fn attack44_ok_end_commit_slower_than_the_timeout_rides() {
 async fn found_error_end_commit_slower_than_the_timeout_cancelled_then_held() {
     let env = env_slow(2).await;
     let one = pool_of(&env.db, 1);
+    let pooled = env.db.via().is_transaction_pooling();
     let mut cases = Vec::new();
     let shapes = [(3300, false), (4000, false), (4000, true), (7000, false)];
     for (i, (ms, fail)) in shapes.into_iter().enumerate() {
         for (j, end) in [PLAIN, FINAL].into_iter().enumerate() {
             let steps = commit_after(W(slow("slowc", ms, fail)), (i + j) % 2 == 1);
-            cases.push((V::Rc, steps, end, None, false));
+            // Behind PgBouncer idem sends no cancel: a `COMMIT` of over
+            // twice the timeout is never answered in time, and is held.
+            cases.push((V::Rc, steps, end, None, pooled && ms > 6000));
         }
     }
     verdict(&sweep(&env, &one, "errend", &cases, 1, 2000).await);
@@ -265,6 +268,7 @@ async fn found_error_end_commit_slower_than_the_timeout_cancelled_then_held() {
 async fn found_ok_end_commit_on_the_wire_slower_than_the_timeout_cancelled_then_held() {
     let env = env_slow(2).await;
     let one = pool_of(&env.db, 1);
+    let pooled = env.db.via().is_transaction_pooling();
     let mut cases = Vec::new();
     let shapes = [(3500, false), (4000, true), (7000, false)];
     for (i, (ms, fail)) in shapes.into_iter().enumerate() {
@@ -272,8 +276,47 @@ async fn found_ok_end_commit_on_the_wire_slower_than_the_timeout_cancelled_then_
             let mut steps = commit_after(W(slow("slowc", ms, fail)), behind).to_vec();
             steps.push(Ms(50));
             let steps: &'static [A] = Box::leak(steps.into_boxed_slice());
-            cases.push(([V::Rc, V::Sr][i % 2], steps, OK, None, false));
+            cases.push(([V::Rc, V::Sr][i % 2], steps, OK, None, pooled && ms > 6000));
         }
     }
     verdict(&sweep(&env, &one, "wire", &cases, 1, 2000).await);
+}
+
+/// Plain `#[retryable]` (no key): a body's `COMMIT` still running at
+/// `commit_timeout_ms` (3 s), cancelled and read, is answered as it ended,
+/// not `committed: true` unread (helper-48's note): a 4 s check the cancel
+/// aborts committed nothing (behind PgBouncer, no cancel: it commits); one that ignores the cancel and ends in the
+/// second window (4.5 s) committed, or failed. Error and `Ok` ends (the
+/// `COMMIT` on the wire). The answer's flag is checked against the rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack44_plain_retryable_answers_how_the_cancelled_commit_ended() {
+    let env = env_slow(2).await;
+    env.client.batch_execute(STUBBORN).await.expect("stubborn");
+    let one_pool = pool_of(&env.db, 1);
+    // Behind PgBouncer idem sends no cancel: the 4 s `COMMIT` then ends,
+    // committed, in the second window.
+    let uncancelled = i64::from(env.db.via().is_transaction_pooling());
+    let cases = [
+        (slow("slowc", 4000, false), OK, uncancelled),
+        (slow("slowc", 4000, false), PLAIN, uncancelled),
+        (slow("stubc", 4500, false), OK, 1),
+        (slow("stubc", 4500, false), PLAIN, 1),
+        (slow("stubc", 4500, true), OK, 0),
+    ];
+    let mut bad = Vec::new();
+    for (t, (first, end, want)) in cases.into_iter().enumerate() {
+        let key = format!("pl-{t}");
+        let steps: &'static [A] = Box::leak(Box::new([W(first), Q("COMMIT"), Ms(50)]));
+        let ans = one(&one_pool, V::Plain, &key, &Q { steps, end }, None).await;
+        let n1 = n_of(&env, &key, 1).await;
+        let said = format!("TransactionEnded {{ committed: {} }}", n1 == 1);
+        eprintln!("  {key} {first} end {end}: {ans}, n1 {n1}");
+        if n1 != want || !ans.contains(&said) {
+            bad.push(format!(
+                "{key} {first} end {end}: {ans}, n1 {n1} (want {want})"
+            ));
+        }
+    }
+    bad.extend(later(&env, &one_pool, "pl", 3).await);
+    verdict(&bad);
 }
