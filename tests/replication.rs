@@ -290,3 +290,69 @@ async fn a_role_that_cannot_read_the_standbys_positions_is_told_so() {
         "{message}"
     );
 }
+
+/// A body that sends its own `COMMIT` (queued, then `Ok`, or then an
+/// error) under a plain `#[retryable]` on a `Replication::Synchronous`
+/// pool.
+#[retryable(max = 1, deadline_ms = 3000, commit_timeout_ms = 500)]
+async fn commit_by_hand(
+    conn: &mut AsyncPgConnection,
+    tag: &str,
+    fail: bool,
+) -> Result<i64, AppError> {
+    use futures_util::FutureExt;
+    let id = insert_effect(conn, tag).await?;
+    drop(conn.batch_execute("COMMIT").now_or_never());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    match fail {
+        true => Err(AppError::Idem(idem::Error::ClaimLost)),
+        false => Ok(id),
+    }
+}
+
+/// The body's own `COMMIT`, waiting for the standby past
+/// `commit_timeout_ms`, is not cancelled either (a cancel would commit it
+/// locally: visible on the primary, not replicated): idem reads it a second
+/// `commit_timeout_ms`, then closes the connection with the backend still
+/// waiting, and answers that the body ended the transaction, its writes
+/// perhaps committed. Nothing is visible on the primary meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_the_body_sent_waiting_for_the_standby_is_not_cancelled() {
+    let (pair, pool) = setup(Replication::Synchronous).await;
+    pair.stop_standby().await.expect("standby stopped");
+    for (tag, fail) in [("ok-end", false), ("error-end", true)] {
+        let r = commit_by_hand(&pool, tag, fail).await;
+        assert!(
+            matches!(
+                r,
+                Err(AppError::Idem(idem::Error::TransactionEnded {
+                    committed: true
+                }))
+            ),
+            "{tag}: {r:?}"
+        );
+    }
+    let primary = connect(&pair.primary_url_for(DATABASE)).await;
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'";
+    assert_eq!(
+        count(&primary, waiting).await,
+        2,
+        "both COMMITs still wait for the standby"
+    );
+    assert_eq!(
+        count(&primary, "SELECT count(*) FROM effects").await,
+        0,
+        "a cancelled wait made a body's commit visible on the primary alone"
+    );
+    pair.start_standby().await.expect("standby back");
+    let replicated = || async { count(&primary, "SELECT count(*) FROM effects").await == 2 };
+    let mut seen = false;
+    for _ in 0..100 {
+        if replicated().await {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(seen, "the two commits complete once the standby is back");
+}

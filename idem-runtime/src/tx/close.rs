@@ -7,7 +7,7 @@ use std::time::Duration;
 use deadpool::managed::Object;
 
 use super::Tx;
-use crate::pool::Wire;
+use crate::pool::{Replication, Wire};
 
 impl Tx {
     /// Whether the connection in the transaction's slot is still the one
@@ -123,7 +123,13 @@ impl Tx {
         // `client_connection_check_interval` on the server ends the
         // statement instead (see `Pooler`).
         let pooled = self.wire().is_some_and(|w| !w.keeps_session_statements());
-        if let Some(conn) = self.conn.as_ref().filter(|_| !pooled) {
+        // A cancel would turn a `COMMIT`'s wait for the synchronous standby
+        // (the body's own, say) into a local commit, visible and not
+        // replicated: the backend is left to wait, as `Tx::send_commit`
+        // leaves idem's own.
+        let waits_for_standby = self.replication() == Some(Replication::Synchronous)
+            && self.wire().is_some_and(Wire::commit_in_flight);
+        if let Some(conn) = self.conn.as_ref().filter(|_| !pooled && !waits_for_standby) {
             cancel(conn.cancel_token());
         }
     }
