@@ -231,8 +231,8 @@ impl Attempt {
     /// it had written. An early look, before idem's `ROLLBACK`: a request
     /// the body queued may not be on the wire yet (see
     /// [`Attempt::roll_back_reading`], which decides).
-    pub(crate) async fn ended_by_body_settled(&self) -> Option<bool> {
-        match &self.tx {
+    pub(crate) async fn ended_by_body_settled(&mut self) -> Option<bool> {
+        match &mut self.tx {
             Some(tx) => tx.ended_by_body_settled(self.commit_timeout).await,
             None => None,
         }

@@ -104,6 +104,8 @@ impl Tx {
     /// Returns whether every request was answered on the open connection.
     pub(super) async fn cancel_and_read(&mut self, wire: &Wire, timeout: Duration) -> bool {
         self.cancel_running();
+        // Once cancelled and waited for, not again.
+        let timeout = if self.waited { Duration::ZERO } else { timeout };
         // The seal may close the connection at a write the body queued
         // behind its `COMMIT`, once that is answered: the wire's marks
         // then say how the `COMMIT` ended.
@@ -114,7 +116,7 @@ impl Tx {
 
     /// Send a cancel request for the statement the server runs for this
     /// transaction (see [`Tx::cancel_and_discard`]), the connection kept.
-    fn cancel_running(&self) {
+    pub(super) fn cancel_running(&self) {
         // Behind a transaction pooler the cancel of a client that is closing
         // is dropped anyway, and PgBouncer 1.18 (Debian 12) exits when a
         // cancel it is forwarding meets that client's disconnect, taking

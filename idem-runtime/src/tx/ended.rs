@@ -252,6 +252,7 @@ impl Tx {
             end_state: self.end_state.take(),
             after_body_commit: None,
             lost: self.lost.take(),
+            waited: self.waited,
         };
         self.open = false;
         runtime.spawn(then(tx));
@@ -269,13 +270,20 @@ impl Tx {
     /// [`Tx::ended_by_body`] once what the body sent is answered, waiting
     /// up to `timeout`: the answer to an end the body stopped waiting for
     /// (a `COMMIT` future it dropped before returning an error) may still
-    /// be on its way. A request unanswered then that may commit counts as
-    /// committed.
-    pub(crate) async fn ended_by_body_settled(&self, timeout: Duration) -> Option<bool> {
-        match self.settle(timeout).await? {
-            Settled::MayHaveCommitted => Some(true),
-            Settled::Answered | Settled::Running => self.ended_by_body(),
+    /// be on its way. A request unanswered then that may commit (a
+    /// deferred check slower than `timeout`) is cancelled and read a second
+    /// `timeout`, as [`Tx::refuse`] does, the connection kept for idem's
+    /// `ROLLBACK` and the write guard up; still unanswered, it counts as
+    /// committed, and nothing waits for it again.
+    pub(crate) async fn ended_by_body_settled(&mut self, timeout: Duration) -> Option<bool> {
+        if let Settled::MayHaveCommitted = self.settle(timeout).await? {
+            self.cancel_running();
+            self.waited = true;
+            if let Settled::MayHaveCommitted = self.wait_settled(timeout).await? {
+                return Some(true);
+            }
         }
+        self.ended_by_body()
     }
 
     /// Wait (up to `timeout`) for the body's requests still owed an answer:
@@ -283,6 +291,14 @@ impl Tx {
     /// to the transaction, and a statement whose future the body dropped may
     /// still run. `None` without a wire to ask.
     pub(super) async fn settle(&self, timeout: Duration) -> Option<Settled> {
+        // Once cancelled and waited for (see `Tx::ended_by_body_settled`),
+        // what is still unanswered is taken as it stands.
+        let timeout = if self.waited { Duration::ZERO } else { timeout };
+        self.wait_settled(timeout).await
+    }
+
+    /// [`Tx::settle`], waiting `timeout` whatever was waited before.
+    async fn wait_settled(&self, timeout: Duration) -> Option<Settled> {
         let wire = self.wire()?;
         let answered = wire.settled(timeout).await;
         // Unanswered still (the wait ran out, or the connection closed

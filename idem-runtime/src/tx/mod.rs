@@ -80,6 +80,10 @@ pub(crate) struct Tx {
     /// pool slot kept until the transaction is dropped (see
     /// [`Tx::keeps_a_lost_slot`]).
     lost: Option<PooledConnection>,
+    /// A cancel went out for a request of the body's still running (its
+    /// `COMMIT`, see [`Tx::ended_by_body_settled`]) and the answers had
+    /// their second `commit_timeout_ms`: nothing waits for them again.
+    waited: bool,
 }
 
 /// How a `COMMIT` ended, when it did not commit for certain.
@@ -146,6 +150,7 @@ impl Tx {
             end_state: None,
             after_body_commit: None,
             lost: None,
+            waited: false,
         };
         // From here, whether BEGIN ran is not known until it is answered: a
         // drop closes the connection.

@@ -65,6 +65,13 @@ impl Tx {
         // `ROLLBACK` queues behind it, and its timeout is then no sign of a
         // lost connection.
         let behind = wire.running();
+        // Still running after its cancel and a second `timeout` (see
+        // `Tx::ended_by_body_settled`): a `ROLLBACK` would wait behind it
+        // again. Closed, the write guard up; the wire's marks say the rest.
+        if behind && self.waited {
+            self.discard();
+            return (false, Some(wire), false);
+        }
         let broken = !self.unmanaged && self.lost_track();
         if broken && !self.handed_off() {
             // Closed, which rolls back; what the dropped statement left

@@ -342,6 +342,13 @@ impl<E> Call<E> {
                     if !attempt.holds_its_session() {
                         return Err(E::from(Error::ConnectionReplaced));
                     }
+                    // Nor behind an end of the transaction the body sent
+                    // (a `COMMIT` still running, which it would wait for
+                    // unbounded): not recorded, the key stays held, and the
+                    // commit refuses what the body ended.
+                    if attempt.ended_by_body_settled().await.is_some() {
+                        return Ok(Step::Commit(Reply::Fresh(value)));
+                    }
                     self.completed = self.record(attempt.conn(), Outcome::Ok, &response).await?;
                     return Ok(Step::Commit(Reply::Fresh(value)));
                 }
