@@ -7,26 +7,6 @@
 use super::kit::*;
 use super::*;
 
-/// A deferred check that ignores cancels: it sleeps in 50 ms slices, each
-/// one's `query_canceled` caught, until `ms` have passed, then fails or not.
-const STUBBORN: &str =
-    "CREATE TABLE stubc (tag text NOT NULL, ms int NOT NULL, fail bool NOT NULL);
-    CREATE FUNCTION stubc_f() RETURNS trigger LANGUAGE plpgsql AS $$
-    DECLARE t0 timestamptz := clock_timestamp(); BEGIN
-      WHILE clock_timestamp() < t0 + make_interval(secs => NEW.ms / 1000.0) LOOP
-        BEGIN PERFORM pg_sleep(0.05); EXCEPTION WHEN query_canceled THEN NULL; END;
-      END LOOP;
-      IF NEW.fail THEN RAISE EXCEPTION 'stubc: the deferred check fails'; END IF;
-      RETURN NULL; END $$;
-    CREATE CONSTRAINT TRIGGER stubc_t AFTER INSERT ON stubc DEFERRABLE INITIALLY DEFERRED
-      FOR EACH ROW EXECUTE FUNCTION stubc_f();";
-
-/// A `COMMIT` taking `ms` through `table`'s deferred trigger.
-fn slow(table: &str, ms: u64, fail: bool) -> &'static str {
-    let s = format!("INSERT INTO {table} VALUES ('{{k}}', {ms}, {fail})");
-    Box::leak(s.into_boxed_str())
-}
-
 /// `first`, a queued `COMMIT`, and `N2` queued behind it when `behind`.
 fn commit_after(first: A, behind: bool) -> &'static [A] {
     let mut v = vec![first, Q("COMMIT")];

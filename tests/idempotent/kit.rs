@@ -69,6 +69,26 @@ pub(super) const BAD15: &str = "INSERT INTO slowc VALUES ('{k}', 1500, true)";
 pub(super) const SER0: &str = "INSERT INTO serc VALUES ('{k}', 0)";
 pub(super) const SER3: &str = "INSERT INTO serc VALUES ('{k}', 300)";
 
+/// A deferred check that ignores cancels: it sleeps in 50 ms slices, each
+/// one's `query_canceled` caught, until `ms` have passed, then fails or not.
+pub(super) const STUBBORN: &str =
+    "CREATE TABLE stubc (tag text NOT NULL, ms int NOT NULL, fail bool NOT NULL);
+    CREATE FUNCTION stubc_f() RETURNS trigger LANGUAGE plpgsql AS $$
+    DECLARE t0 timestamptz := clock_timestamp(); BEGIN
+      WHILE clock_timestamp() < t0 + make_interval(secs => NEW.ms / 1000.0) LOOP
+        BEGIN PERFORM pg_sleep(0.05); EXCEPTION WHEN query_canceled THEN NULL; END;
+      END LOOP;
+      IF NEW.fail THEN RAISE EXCEPTION 'stubc: the deferred check fails'; END IF;
+      RETURN NULL; END $$;
+    CREATE CONSTRAINT TRIGGER stubc_t AFTER INSERT ON stubc DEFERRABLE INITIALLY DEFERRED
+      FOR EACH ROW EXECUTE FUNCTION stubc_f();";
+
+/// A `COMMIT` taking `ms` through `table`'s deferred trigger.
+pub(super) fn slow(table: &str, ms: u64, fail: bool) -> &'static str {
+    let s = format!("INSERT INTO {table} VALUES ('{{k}}', {ms}, {fail})");
+    Box::leak(s.into_boxed_str())
+}
+
 /// [`env`] with the slow `COMMIT`s' tables.
 pub(super) async fn env_slow(size: usize) -> Env {
     let env = env(size).await;
