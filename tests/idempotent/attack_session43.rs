@@ -26,7 +26,7 @@ async fn sweep(env: &Env, pool: &Pool, p: &str, v: V, dups: usize, rounds: u64) 
         let end = [PLAIN, FINAL, PANIC][(t / 6 % 3) as usize];
         let us = 20_000 + (t * 37_003) % 240_000;
         let key = format!("{p}-{t}");
-        let (ans, dup) = with_dups(pool, v, &key, steps, end, Some(us), dups).await;
+        let (ans, _, dup) = with_dups(pool, v, &key, steps, end, Some(us), dups).await;
         done.push((
             key,
             format!("{steps:?} end {end} drop {us}us: {ans}; dups {dup:?}"),
@@ -111,7 +111,10 @@ async fn found_commit_slower_than_the_timeout_cancelled_then_held_over_nothing()
         for (end, us) in [(PLAIN, Some(200_000)), (HANG, None), (PANIC, None)] {
             let key = format!("sl-{t}-{end}");
             let (ans, dup) = match us {
-                Some(_) => with_dups(&p1, V::Rc, &key, steps, end, us, 2).await,
+                Some(_) => {
+                    let (ans, _, dup) = with_dups(&p1, V::Rc, &key, steps, end, us, 2).await;
+                    (ans, dup)
+                }
                 None => (one(&p1, V::Rc, &key, &Q { steps, end }, None).await, vec![]),
             };
             done.push((

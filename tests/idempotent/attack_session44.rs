@@ -30,7 +30,7 @@ async fn sweep(env: &Env, pool: &Pool, p: &str, cases: &[Case], dups: usize, ms:
     for (t, &(v, steps, end, us, lax)) in cases.iter().enumerate() {
         let key = format!("{p}-{t}");
         let started = Instant::now();
-        let (ans, dups) = with_dups(pool, v, &key, steps, end, us, dups).await;
+        let (ans, _, dups) = with_dups(pool, v, &key, steps, end, us, dups).await;
         let ans = format!("{ans}; dups {dups:?}");
         let what = format!("{v:?} {steps:?} end {end} drop {us:?} in {:?}: {ans}", started.elapsed());
         done.push((key, v, what, lax));

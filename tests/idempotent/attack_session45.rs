@@ -8,7 +8,6 @@
 //! ("up to twice `commit_timeout_ms`"). Counted in the database.
 use super::kit::*;
 use super::*;
-use tokio::sync::Notify;
 
 /// A slow immediate trigger: a statement ahead of the `COMMIT` taking 4 s.
 const IMM: &str = "CREATE TABLE imm (tag text NOT NULL); CREATE FUNCTION imm_f() RETURNS \
@@ -36,36 +35,6 @@ fn commit_after(first: A, behind: bool, on_wire: bool) -> &'static [A] {
 /// nothing is allowed (`lax`: a `COMMIT` whose answer may never come).
 type Case = (V, &'static [A], u8, bool);
 
-/// [`with_dups`] for a call run to its end: the call's answer, how long it
-/// took, and the duplicates' answers (started 5 ms after it).
-#[rustfmt::skip]
-async fn timed(pool: &Pool, v: V, key: &str, steps: &'static [A], end: u8, dups: usize)
-    -> (String, Duration, Vec<String>) {
-    let (p, k) = (pool.clone(), key.to_owned());
-    let first = tokio::spawn(async move {
-        let started = Instant::now();
-        let ans = one(&p, v, &k, &Q { steps, end }, None).await;
-        (ans, started.elapsed())
-    });
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let mut tasks = Vec::new();
-    for _ in 0..dups {
-        let (p, k) = (pool.clone(), key.to_owned());
-        tasks.push(tokio::spawn(async move {
-            let r = tokio::time::timeout(TEN * 2, call(&p, v, &k, &EMPTY, &Notify::new())).await;
-            format!("{r:?}").chars().take(50).collect::<String>()
-        }));
-    }
-    let (ans, took) = first
-        .await
-        .unwrap_or_else(|_| ("task panicked".into(), Duration::ZERO));
-    let mut answers = Vec::new();
-    for t in tasks {
-        answers.push(t.await.unwrap_or_else(|_| "task panicked".into()));
-    }
-    (ans.chars().take(70).collect(), took, answers)
-}
-
 /// Each case on `pool` with `dups` duplicates, settled `ms`; every key
 /// checked ([`wrong`]), each call's time against `limit_ms` (twice the
 /// timeout and a margin, unless given), then later calls on the pool.
@@ -76,7 +45,7 @@ async fn sweep(env: &Env, pool: &Pool, p: &str, cases: &[Case], dups: usize, ms:
     let (mut done, mut bad) = (Vec::new(), Vec::new());
     for (t, &(v, steps, end, lax)) in cases.iter().enumerate() {
         let key = format!("{p}-{t}");
-        let (ans, took, dups) = timed(pool, v, &key, steps, end, dups).await;
+        let (ans, took, dups) = with_dups(pool, v, &key, steps, end, None, dups).await;
         let what = format!("{v:?} {steps:?} end {end} in {took:?}: {ans}; dups {dups:?}");
         if took.as_millis() > limit_ms {
             bad.push(format!("{key} [{what}]: answered after {took:?}, over {limit_ms} ms"));

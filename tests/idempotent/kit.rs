@@ -352,12 +352,16 @@ pub(super) async fn repeats(
 
 /// One key: the call (dropped after `us` µs, else run to its end or given
 /// up at `HANG`), `dups` duplicates started 5 ms after it (queued on the
-/// pool): the call's answer and the duplicates'.
+/// pool): the call's answer, how long it took, and the duplicates' answers.
 #[rustfmt::skip]
 pub(super) async fn with_dups(pool: &Pool, v: V, key: &str, steps: &'static [A], end: u8,
-    us: Option<u64>, dups: usize) -> (String, Vec<String>) {
+    us: Option<u64>, dups: usize) -> (String, Duration, Vec<String>) {
     let (p, k) = (pool.clone(), key.to_owned());
-    let first = tokio::spawn(async move { one(&p, v, &k, &Q { steps, end }, us).await });
+    let first = tokio::spawn(async move {
+        let started = Instant::now();
+        let ans = one(&p, v, &k, &Q { steps, end }, us).await;
+        (ans, started.elapsed())
+    });
     tokio::time::sleep(Duration::from_millis(5)).await;
     let mut tasks = Vec::new();
     for _ in 0..dups {
@@ -367,12 +371,12 @@ pub(super) async fn with_dups(pool: &Pool, v: V, key: &str, steps: &'static [A],
             format!("{r:?}").chars().take(50).collect::<String>()
         }));
     }
-    let ans = first.await.unwrap_or_else(|_| "task panicked".into());
+    let (ans, took) = first.await.unwrap_or_else(|_| ("task panicked".into(), Duration::ZERO));
     let mut answers = Vec::new();
     for t in tasks {
         answers.push(t.await.unwrap_or_else(|_| "task panicked".into()));
     }
-    (ans.chars().take(70).collect(), answers)
+    (ans.chars().take(70).collect(), took, answers)
 }
 
 /// What is wrong with `key` (settled): more than `most` effects (on a pool
