@@ -7,44 +7,6 @@
 use super::kit::*;
 use super::*;
 
-/// `first`, a queued `COMMIT`, and `N2` queued behind it when `behind`.
-fn commit_after(first: A, behind: bool) -> &'static [A] {
-    let mut v = vec![first, Q("COMMIT")];
-    if behind {
-        v.push(Q(N2));
-    }
-    Box::leak(v.into_boxed_slice())
-}
-
-/// One case: the call shape, the body, its end, when the call is dropped
-/// (µs), and whether a hold over nothing is allowed (`lax`).
-type Case = (V, &'static [A], u8, Option<u64>, bool);
-
-/// Each `(v, steps, end, drop µs, lax)` on `pool` with `dups` duplicates;
-/// settled `ms`; every key checked, then later calls.
-#[rustfmt::skip]
-async fn sweep(env: &Env, pool: &Pool, p: &str, cases: &[Case], dups: usize, ms: u64)
-    -> Vec<String> {
-    let most = pool.status().max_size as i64;
-    let mut done = Vec::new();
-    for (t, &(v, steps, end, us, lax)) in cases.iter().enumerate() {
-        let key = format!("{p}-{t}");
-        let started = Instant::now();
-        let (ans, _, dups) = with_dups(pool, v, &key, steps, end, us, dups).await;
-        let ans = format!("{ans}; dups {dups:?}");
-        let what = format!("{v:?} {steps:?} end {end} drop {us:?} in {:?}: {ans}", started.elapsed());
-        done.push((key, v, what, lax));
-    }
-    settle_holds(env, p, ms).await;
-    let mut bad = Vec::new();
-    for (key, v, what, lax) in &done {
-        bad.extend(wrong(env, *v, key, what, most, *lax).await);
-    }
-    eprintln!("{p}: {} of {} keys wrong", bad.len(), done.len());
-    bad.extend(later(env, pool, p, 4).await);
-    bad
-}
-
 // ---------------------------------------------------------------------------
 
 /// The hand-off's cancel racing the `COMMIT`'s success: the call dropped
@@ -62,13 +24,13 @@ async fn attack44_handoff_cancel_racing_the_commits_success() {
         let first = W(slow("slowc", 3160 + 5 * i, i % 7 == 6));
         cases.push((
             V::Rc,
-            commit_after(first, i % 3 == 1),
+            commit_after(first, i % 3 == 1, false),
             PLAIN,
             Some(200_000),
             false,
         ));
     }
-    verdict(&sweep(&env, &one, "race", &cases, 2, 1500).await);
+    verdict(&sweep(&env, &one, "race", &cases, 2, 1500, None).await);
 }
 
 /// A deferred check that ignores the cancel (4.5 s: answered in the second
@@ -91,7 +53,7 @@ async fn attack44_handoff_commit_ignoring_the_cancel() {
             .into_iter()
             .enumerate()
         {
-            let steps = commit_after(W(slow("stubc", ms, fail)), (i + j) % 2 == 1);
+            let steps = commit_after(W(slow("stubc", ms, fail)), (i + j) % 2 == 1, false);
             // Never answered in time: may be held over nothing, failing or not
             // (behind PgBouncer the closed client takes its backend with it).
             cases.push((V::Rc, steps, end, us, ms > 6000));
@@ -99,12 +61,12 @@ async fn attack44_handoff_commit_ignoring_the_cancel() {
     }
     cases.push((
         V::Rc,
-        commit_after(W(slow("stubc", 4500, true)), false),
+        commit_after(W(slow("stubc", 4500, true)), false, false),
         PANIC,
         None,
         false,
     ));
-    verdict(&sweep(&env, &one, "stub", &cases, 2, 3000).await);
+    verdict(&sweep(&env, &one, "stub", &cases, 2, 3000, None).await);
 }
 
 /// The hand-off's cancel hitting a slow statement the body queued ahead of
@@ -131,7 +93,7 @@ async fn attack44_handoff_cancel_hits_a_statement_ahead_of_the_commit() {
         cases.push((v, *steps, PLAIN, Some(200_000), false));
         cases.push((v, *steps, HANG, None, false));
     }
-    verdict(&sweep(&env, &one, "ahead", &cases, 2, 1500).await);
+    verdict(&sweep(&env, &one, "ahead", &cases, 2, 1500, None).await);
 }
 
 /// Current-thread runtime: the session-43 shape (a 4 s `COMMIT`, failing
@@ -145,12 +107,12 @@ async fn attack44_current_thread_handoff_slow_commit_shapes() {
     let mut cases = Vec::new();
     for (t, v) in [V::Rr, V::Sr, V::Ext, V::Plain].into_iter().enumerate() {
         for (j, end) in [PLAIN, PANIC, FINAL].into_iter().enumerate() {
-            let steps = commit_after(W(slow("slowc", 4000, (t + j) % 2 == 1)), j == 1);
+            let steps = commit_after(W(slow("slowc", 4000, (t + j) % 2 == 1)), j == 1, false);
             let us = (end != PANIC).then_some(200_000);
             cases.push((v, steps, end, us, false));
         }
     }
-    verdict(&sweep(&env, &one, "ct", &cases, 2, 1500).await);
+    verdict(&sweep(&env, &one, "ct", &cases, 2, 1500, None).await);
 }
 
 /// Pool of two, two duplicates (one may run on the advisory lock, as
@@ -164,13 +126,13 @@ async fn attack44_pool_of_two_racing_commits_serializable() {
         let first = W(slow("slowc", 3120 + 40 * i, i % 4 == 3));
         cases.push((
             V::Sr,
-            commit_after(first, i % 2 == 1),
+            commit_after(first, i % 2 == 1, false),
             PLAIN,
             Some(200_000),
             false,
         ));
     }
-    verdict(&sweep(&env, &two, "two", &cases, 2, 1500).await);
+    verdict(&sweep(&env, &two, "two", &cases, 2, 1500, None).await);
 }
 
 /// A call not dropped whose body queues a `COMMIT` slower than
@@ -184,10 +146,10 @@ async fn attack44_ok_end_commit_slower_than_the_timeout_rides() {
     let one = pool_of(&env.db, 1);
     let mut cases = Vec::new();
     for i in 0..4 {
-        let steps = commit_after(W(slow("slowc", 4000, i % 2 == 1)), i >= 2);
+        let steps = commit_after(W(slow("slowc", 4000, i % 2 == 1)), i >= 2, false);
         cases.push((V::Rc, steps, OK, None, false));
     }
-    verdict(&sweep(&env, &one, "okend", &cases, 1, 2000).await);
+    verdict(&sweep(&env, &one, "okend", &cases, 1, 2000, None).await);
 }
 
 /// Found (fixed; failed every run before): a call NOT dropped (nor panicking) whose body queues a `COMMIT`
@@ -222,13 +184,13 @@ async fn found_error_end_commit_slower_than_the_timeout_cancelled_then_held() {
     let shapes = [(3300, false), (4000, false), (4000, true), (7000, false)];
     for (i, (ms, fail)) in shapes.into_iter().enumerate() {
         for (j, end) in [PLAIN, FINAL].into_iter().enumerate() {
-            let steps = commit_after(W(slow("slowc", ms, fail)), (i + j) % 2 == 1);
+            let steps = commit_after(W(slow("slowc", ms, fail)), (i + j) % 2 == 1, false);
             // Behind PgBouncer idem sends no cancel: a `COMMIT` of over
             // twice the timeout is never answered in time, and is held.
             cases.push((V::Rc, steps, end, None, pooled && ms > 6000));
         }
     }
-    verdict(&sweep(&env, &one, "errend", &cases, 1, 2000).await);
+    verdict(&sweep(&env, &one, "errend", &cases, 1, 2000, None).await);
 }
 
 /// Found (fixed; failed every run before): as above, but the body's `COMMIT` is on the wire before idem
@@ -253,13 +215,11 @@ async fn found_ok_end_commit_on_the_wire_slower_than_the_timeout_cancelled_then_
     let shapes = [(3500, false), (4000, true), (7000, false)];
     for (i, (ms, fail)) in shapes.into_iter().enumerate() {
         for behind in [false, true] {
-            let mut steps = commit_after(W(slow("slowc", ms, fail)), behind).to_vec();
-            steps.push(Ms(50));
-            let steps: &'static [A] = Box::leak(steps.into_boxed_slice());
+            let steps = commit_after(W(slow("slowc", ms, fail)), behind, true);
             cases.push(([V::Rc, V::Sr][i % 2], steps, OK, None, pooled && ms > 6000));
         }
     }
-    verdict(&sweep(&env, &one, "wire", &cases, 1, 2000).await);
+    verdict(&sweep(&env, &one, "wire", &cases, 1, 2000, None).await);
 }
 
 /// Plain `#[retryable]` (no key): a body's `COMMIT` still running at

@@ -17,58 +17,8 @@ const IMM: &str = "CREATE TABLE imm (tag text NOT NULL); CREATE FUNCTION imm_f()
 /// The kit's `commit_timeout_ms`.
 const TIMEOUT_MS: u128 = 3000;
 
-/// `first`, a queued `COMMIT`, `N2` queued behind it when `behind`, and a
-/// 50 ms sleep when `on_wire` (the driver writes the `COMMIT` before the
-/// body returns).
-fn commit_after(first: A, behind: bool, on_wire: bool) -> &'static [A] {
-    let mut v = vec![first, Q("COMMIT")];
-    if behind {
-        v.push(Q(N2));
-    }
-    if on_wire {
-        v.push(Ms(50));
-    }
-    Box::leak(v.into_boxed_slice())
-}
-
-/// One case: the call shape, the body, its end, whether a hold over
-/// nothing is allowed (`lax`: a `COMMIT` whose answer may never come).
-type Case = (V, &'static [A], u8, bool);
-
-/// Each case on `pool` with `dups` duplicates, settled `ms`; every key
-/// checked ([`wrong`]), each call's time against `limit_ms` (twice the
-/// timeout and a margin, unless given), then later calls on the pool.
-#[rustfmt::skip]
-async fn sweep(env: &Env, pool: &Pool, p: &str, cases: &[Case], dups: usize, ms: u64,
-    limit_ms: u128) -> Vec<String> {
-    let most = pool.status().max_size as i64;
-    let (mut done, mut bad) = (Vec::new(), Vec::new());
-    for (t, &(v, steps, end, lax)) in cases.iter().enumerate() {
-        let key = format!("{p}-{t}");
-        let (ans, took, dups) = with_dups(pool, v, &key, steps, end, None, dups).await;
-        let what = format!("{v:?} {steps:?} end {end} in {took:?}: {ans}; dups {dups:?}");
-        if took.as_millis() > limit_ms {
-            bad.push(format!("{key} [{what}]: answered after {took:?}, over {limit_ms} ms"));
-        }
-        done.push((key, v, what, lax));
-    }
-    settle_holds(env, p, ms).await;
-    for (key, v, what, lax) in &done {
-        bad.extend(wrong(env, *v, key, what, most, *lax).await);
-        // A success replayed over an effect that never committed.
-        let rec = env.record(key).await;
-        let ok = rec.as_ref().is_some_and(|r| r.0 == "completed" && r.1.as_deref() == Some("ok"));
-        if ok && n_of(env, key, 1).await == 0 {
-            bad.push(format!("{key} [{what}]: recorded ok, no effect committed"));
-        }
-    }
-    eprintln!("{p}: {} problems over {} keys", bad.len(), done.len());
-    bad.extend(later(env, pool, p, 4).await);
-    bad
-}
-
 /// Twice the timeout, and 600 ms for the rest of the call (a hold, a dup).
-const TWICE: u128 = 2 * TIMEOUT_MS + 600;
+const TWICE: Option<u128> = Some(2 * TIMEOUT_MS + 600);
 
 // ---------------------------------------------------------------------------
 
@@ -88,7 +38,13 @@ async fn attack45_error_end_cancel_racing_the_commits_success() {
     for i in 0..15_u64 {
         let first = W(slow("slowc", 2970 + 5 * i, i % 5 == 4));
         let end = [PLAIN, FINAL][(i % 2) as usize];
-        cases.push((V::Rc, commit_after(first, i % 3 == 1, false), end, false));
+        cases.push((
+            V::Rc,
+            commit_after(first, i % 3 == 1, false),
+            end,
+            None,
+            false,
+        ));
     }
     verdict(&sweep(&env, &one, "erace", &cases, 1, 1500, TWICE).await);
 }
@@ -107,7 +63,7 @@ async fn attack45_ok_end_on_the_wire_cancel_racing_the_commits_success() {
     for i in 0..15_u64 {
         let first = W(slow("slowc", 3020 + 5 * i, i % 5 == 2));
         let v = [V::Rc, V::Sr, V::Rc4][(i % 3) as usize];
-        cases.push((v, commit_after(first, i % 3 == 0, true), OK, false));
+        cases.push((v, commit_after(first, i % 3 == 0, true), OK, None, false));
     }
     verdict(&sweep(&env, &one, "orace", &cases, 1, 1500, TWICE).await);
 }
@@ -131,11 +87,17 @@ async fn attack45_stubborn_commit_on_paths_not_dropped() {
     {
         let first = W(slow("stubc", ms, fail));
         let lax = ms > 6000;
-        cases.push((V::Rc, commit_after(first, i % 2 == 0, false), PLAIN, lax));
-        cases.push((V::Sr, commit_after(first, i % 2 == 1, true), OK, lax));
+        cases.push((
+            V::Rc,
+            commit_after(first, i % 2 == 0, false),
+            PLAIN,
+            None,
+            lax,
+        ));
+        cases.push((V::Sr, commit_after(first, i % 2 == 1, true), OK, None, lax));
         match i {
-            0 => cases.push((V::Plain, commit_after(first, true, false), FINAL, lax)),
-            2 => cases.push((V::Ext, commit_after(first, false, false), PLAIN, lax)),
+            0 => cases.push((V::Plain, commit_after(first, true, false), FINAL, None, lax)),
+            2 => cases.push((V::Ext, commit_after(first, false, false), PLAIN, None, lax)),
             _ => {}
         }
     }
@@ -159,9 +121,9 @@ async fn attack45_cancel_hits_a_statement_ahead_of_the_commit() {
     let mut cases = Vec::new();
     for (t, steps) in SHAPES.iter().enumerate() {
         let v = [V::Rr, V::Sr][t % 2];
-        cases.push((v, *steps, PLAIN, false));
+        cases.push((v, *steps, PLAIN, None, false));
         let on_wire: &'static [A] = Box::leak([*steps, &[Ms(50)][..]].concat().into_boxed_slice());
-        cases.push((v, on_wire, OK, false));
+        cases.push((v, on_wire, OK, None, false));
     }
     verdict(&sweep(&env, &one, "ahead", &cases, 1, 1500, TWICE).await);
 }
@@ -178,7 +140,13 @@ async fn attack45_current_thread_slow_commit_not_dropped() {
     for (t, v) in [V::Rr, V::Sr, V::Ext, V::Plain].into_iter().enumerate() {
         for (j, end) in [PLAIN, OK].into_iter().enumerate() {
             let first = W(slow("slowc", 4000, (t + j) % 2 == 1));
-            cases.push((v, commit_after(first, t % 2 == 0, end == OK), end, false));
+            cases.push((
+                v,
+                commit_after(first, t % 2 == 0, end == OK),
+                end,
+                None,
+                false,
+            ));
         }
     }
     verdict(&sweep(&env, &one, "ct", &cases, 2, 1500, TWICE).await);
@@ -195,11 +163,11 @@ async fn attack45_pool_of_one_three_duplicates_queued() {
     env.client.batch_execute(STUBBORN).await.expect("stubborn");
     let one = pool_of(&env.db, 1);
     let cases: Vec<Case> = vec![
-        (V::Rc, commit_after(W(slow("slowc", 4000, false)), true, false), FINAL, false),
-        (V::Rc, commit_after(W(slow("slowc", 5000, false)), false, true), OK, false),
-        (V::Rr, commit_after(W(slow("stubc", 4000, false)), true, true), OK, false),
-        (V::Sr, commit_after(W(slow("stubc", 4000, true)), false, false), PLAIN, false),
-        (V::Ext, commit_after(W(slow("slowc", 4000, false)), true, true), OK, false),
+        (V::Rc, commit_after(W(slow("slowc", 4000, false)), true, false), FINAL, None, false),
+        (V::Rc, commit_after(W(slow("slowc", 5000, false)), false, true), OK, None, false),
+        (V::Rr, commit_after(W(slow("stubc", 4000, false)), true, true), OK, None, false),
+        (V::Sr, commit_after(W(slow("stubc", 4000, true)), false, false), PLAIN, None, false),
+        (V::Ext, commit_after(W(slow("slowc", 4000, false)), true, true), OK, None, false),
     ];
     verdict(&sweep(&env, &one, "three", &cases, 3, 1500, TWICE).await);
 }
@@ -232,10 +200,10 @@ async fn found_error_end_commit_on_the_wire_waits_three_windows() {
     // the second window, and is held.
     let pooled = env.db.via().is_transaction_pooling();
     let cases: Vec<Case> = vec![
-        (V::Rc, commit_after(W(slow("stubc", 9500, false)), false, true), PLAIN, true),
-        (V::Rc, commit_after(W(slow("stubc", 9500, true)), true, true), FINAL, true),
-        (V::Ext, commit_after(W(slow("stubc", 9500, false)), false, true), PLAIN, true),
-        (V::Rc, commit_after(W(slow("slowc", 6050, false)), false, true), PLAIN, pooled),
+        (V::Rc, commit_after(W(slow("stubc", 9500, false)), false, true), PLAIN, None, true),
+        (V::Rc, commit_after(W(slow("stubc", 9500, true)), true, true), FINAL, None, true),
+        (V::Ext, commit_after(W(slow("stubc", 9500, false)), false, true), PLAIN, None, true),
+        (V::Rc, commit_after(W(slow("slowc", 6050, false)), false, true), PLAIN, None, pooled),
     ];
     verdict(&sweep(&env, &one, "win3", &cases, 1, 3000, TWICE).await);
 }
@@ -264,10 +232,10 @@ async fn found_external_ok_end_commit_on_the_wire_waited_unbounded() {
     env.client.batch_execute(STUBBORN).await.expect("stubborn");
     let one = pool_of(&env.db, 1);
     let cases: Vec<Case> = vec![
-        (V::Ext, commit_after(W(slow("slowc", 9000, false)), false, true), OK, true),
-        (V::Ext, commit_after(W(slow("slowc", 9000, true)), true, true), OK, true),
-        (V::Ext, commit_after(W(slow("stubc", 9500, false)), false, true), OK, true),
-        (V::Ext, commit_after(W(slow("slowc", 25000, false)), false, true), OK, true),
+        (V::Ext, commit_after(W(slow("slowc", 9000, false)), false, true), OK, None, true),
+        (V::Ext, commit_after(W(slow("slowc", 9000, true)), true, true), OK, None, true),
+        (V::Ext, commit_after(W(slow("stubc", 9500, false)), false, true), OK, None, true),
+        (V::Ext, commit_after(W(slow("slowc", 25000, false)), false, true), OK, None, true),
     ];
     verdict(&sweep(&env, &one, "extok", &cases, 1, 3000, TWICE).await);
 }

@@ -1,4 +1,4 @@
-//! What the hostile passes share (`attack_session40` to `44`): a
+//! What the hostile passes share (`attack_session40` to `45`): a
 //! body built from steps, the ways it ends, the call shapes it runs under,
 //! one call given up at a point (duplicates queued behind it), what is
 //! wrong with a key afterwards, and the report of what each case found.
@@ -418,6 +418,57 @@ pub(super) async fn later(env: &Env, pool: &Pool, p: &str, n: usize) -> Vec<Stri
             ));
         }
     }
+    bad
+}
+
+/// `first`, a queued `COMMIT`, `N2` queued behind it when `behind`, and a
+/// 50 ms sleep when `on_wire` (the driver writes the `COMMIT` before the
+/// body returns).
+pub(super) fn commit_after(first: A, behind: bool, on_wire: bool) -> &'static [A] {
+    let mut v = vec![first, Q("COMMIT")];
+    if behind {
+        v.push(Q(N2));
+    }
+    if on_wire {
+        v.push(Ms(50));
+    }
+    Box::leak(v.into_boxed_slice())
+}
+
+/// One case of a [`sweep`]: the call shape, the body, its end, when the
+/// call is dropped (µs; `None`: run to its end), and whether a hold over
+/// nothing is allowed (`lax`: a `COMMIT` whose answer may never come).
+pub(super) type Case = (V, &'static [A], u8, Option<u64>, bool);
+
+/// Each case on `pool` with `dups` duplicates, settled `ms`; every key
+/// checked ([`wrong`], and no `ok` record over an effect that never
+/// committed), each call's time against `limit_ms` when given, then later
+/// calls on the pool ([`later`]).
+#[rustfmt::skip]
+pub(super) async fn sweep(env: &Env, pool: &Pool, p: &str, cases: &[Case], dups: usize, ms: u64,
+    limit_ms: Option<u128>) -> Vec<String> {
+    let most = pool.status().max_size as i64;
+    let (mut done, mut bad) = (Vec::new(), Vec::new());
+    for (t, &(v, steps, end, us, lax)) in cases.iter().enumerate() {
+        let key = format!("{p}-{t}");
+        let (ans, took, dups) = with_dups(pool, v, &key, steps, end, us, dups).await;
+        let what = format!("{v:?} {steps:?} end {end} drop {us:?} in {took:?}: {ans}; dups {dups:?}");
+        if let Some(limit) = limit_ms.filter(|&limit| took.as_millis() > limit) {
+            bad.push(format!("{key} [{what}]: answered after {took:?}, over {limit} ms"));
+        }
+        done.push((key, v, what, lax));
+    }
+    settle_holds(env, p, ms).await;
+    for (key, v, what, lax) in &done {
+        bad.extend(wrong(env, *v, key, what, most, *lax).await);
+        let rec = env.record(key).await;
+        let ok = rec.as_ref().is_some_and(|r| r.0 == "completed" && r.1.as_deref() == Some("ok"));
+        if ok && n_of(env, key, 1).await == 0 {
+            bad.push(format!("{key} [{what}]: recorded ok, no effect committed"));
+        }
+    }
+    eprintln!("{p}: {} problems over {} keys", bad.len(), done.len());
+    bad.extend(later(env, pool, p, 4).await);
     bad
 }
 
