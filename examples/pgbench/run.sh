@@ -5,7 +5,9 @@
 # each one's median latency and its ratio to the bare handler. idem_pipelined
 # is local mode's round trips as idem sends them, idem_local as it sent them
 # before its statements rode on BEGIN and COMMIT; record_0014 is record_only into the
-# record table as it was before migration 15 (layout_0014.sql).
+# record table as it was before migration 15 (layout_0014.sql). business_key
+# is create_once's statement for a new key (the key on the payment row,
+# keyed_payments.sql), keyed_plain the bare handler writing that table.
 #
 #   examples/pgbench/run.sh [URL] [-c CLIENTS] [-T SECONDS]
 #
@@ -47,7 +49,8 @@ for migration in "$here"/../../idem-runtime/migrations/*.sql; do
 done
 psql -q -v ON_ERROR_STOP=1 "$scratch" -f "$here/schema.sql"
 psql -q -v ON_ERROR_STOP=1 "$scratch" -f "$here/layout_0014.sql"
-names=(bare idem_pipelined record_only sequential idem_local record_0014)
+psql -q -v ON_ERROR_STOP=1 "$scratch" -f "$here/keyed_payments.sql"
+names=(bare idem_pipelined record_only sequential idem_local record_0014 keyed_plain business_key)
 args=()
 for name in "${names[@]}"; do args+=(-f "$here/$name.sql@1"); done
 pgbench -M prepared -n -c "$clients" -j 1 -T "$seconds" -l --log-prefix="$work/log" "${args[@]}" "$scratch" >/dev/null

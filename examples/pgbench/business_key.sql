@@ -1,15 +1,7 @@
 -- bench_idempotent's business_key contender as create_once sends it for a
 -- new key: the payment row inserted with ON CONFLICT DO NOTHING (no conflict
--- target) RETURNING the row, then the outbox row. Beside examples/pgbench:
---
---   psql -f examples/pgbench/schema.sql -f examples/pgbench_business_key/keyed_payments.sql $DB
---   pgbench -M prepared -n -c 1 -j 1 -T 30 -l --log-prefix=/tmp/log \
---     -f examples/pgbench/bare.sql@1 \
---     -f examples/pgbench_business_key/keyed_plain.sql@1 \
---     -f examples/pgbench_business_key/business_key.sql@1 $DB
---
--- and the median of each script's latencies in the log (column 3, script
--- number in column 4), as examples/pgbench/run.sh computes them.
+-- target) RETURNING the row, then the outbox row. keyed_plain is the same
+-- handler with a plain INSERT into the keyed table (keyed_payments.sql).
 \set id random(1, 4000000000000000)
 \startpipeline
 BEGIN ISOLATION LEVEL READ COMMITTED;
