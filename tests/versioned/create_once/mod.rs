@@ -18,6 +18,7 @@ use tokio::sync::Barrier;
 
 mod guard;
 mod limits;
+mod attack_s46;
 
 diesel::table! {
     shop_orders (tenant_id, id) {
