@@ -210,6 +210,11 @@ static MIGRATIONS: &[Migration] = &[
         name: "create_once_guard",
         sql: include_str!("../migrations/0016_create_once_guard.sql"),
     },
+    Migration {
+        version: 17,
+        name: "create_once_guard_current",
+        sql: include_str!("../migrations/0017_create_once_guard_current.sql"),
+    },
 ];
 
 /// The migrations embedded in this build, in the order [`migrate`] applies them.

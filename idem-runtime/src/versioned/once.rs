@@ -23,10 +23,11 @@
 //! nothing, and reads the row. The price is that PostgreSQL no longer proves
 //! that the key has a unique index, so the INSERT proves it itself: it
 //! writes the new row's version as `idem_create_once_guard('<table>'::regclass,
-//! ARRAY[<tenant and key columns>])` (migration 16), an IMMUTABLE function of
-//! constants that PostgreSQL evaluates when it plans the statement and
-//! again whenever the table's indexes or the search_path change, and that
-//! raises unless the index is there. So the check costs nothing per call and
+//! ARRAY[<tenant and key columns>])` (migrations 16 and 17), an IMMUTABLE
+//! function of constants that PostgreSQL evaluates when it plans the
+//! statement and again whenever the table's indexes or the search_path
+//! change, and that raises unless the index is there in the catalog as the
+//! planner sees it (not as an older snapshot does: migration 17). So the check costs nothing per call and
 //! follows every database, schema and index the statement meets.
 //!
 //! Isolation: at READ COMMITTED the read after a conflict takes a new

@@ -16,9 +16,9 @@ use idem::{
 use scoped_futures::ScopedFutureExt;
 use tokio::sync::Barrier;
 
+mod attack_s46;
 mod guard;
 mod limits;
-mod attack_s46;
 
 diesel::table! {
     shop_orders (tenant_id, id) {

@@ -201,9 +201,9 @@ async fn attack46_guard_refuses_every_index_that_does_not_make_the_key_unique() 
 /// ever have two rows. Two or more racers answer `Created` for one key and
 /// the index cannot be built again (duplicates): failed 4 of 4 runs direct;
 /// passed 4 of 4 behind PgBouncer, where nothing is prepared. Same cause as
-/// `found_prepared_create_behind_drop_index_writes_a_duplicate`.
+/// `found_prepared_create_behind_drop_index_writes_a_duplicate`; fixed by
+/// migration 17.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "found by helper-50: creates racing a DROP/CREATE INDEX loop write duplicate keys"]
 async fn found_concurrent_ddl_lets_a_duplicate_in() {
     let env = env46(8).await;
     env.conn()
@@ -383,11 +383,11 @@ async fn attack46_create_after_or_first_behind_drop_index_is_refused() {
 /// pooled connection (nothing prepared) is refused correctly and the raw
 /// one (direct) still fails, 3 of 3. A migration that rebuilds the
 /// index (`DROP INDEX; CREATE UNIQUE INDEX ..`) under load meets this.
-/// Likely cause (read afterwards): the Bind takes its snapshot before it
+/// Fixed by migration 17 (the guard counts an index only when the system
+/// cache still holds it). Cause: the Bind takes its snapshot before it
 /// waits for the lock, and the replanned guard reads `pg_index` with that
 /// older snapshot, while the planner's index list is already current.
 #[tokio::test]
-#[ignore = "found by helper-50: prepared create_once waiting behind a committing DROP INDEX inserts a duplicate key"]
 async fn found_prepared_create_behind_drop_index_writes_a_duplicate() {
     for pooled in [true, false] {
         let (answer, rows) = create_behind_a_drop_index(true, pooled, true).await;
@@ -466,10 +466,9 @@ async fn create_in_an_older_snapshot(level: &str, prepared: bool) -> (String, i6
 /// checks the index whenever the table's indexes change, at every
 /// isolation level. Failed 3 of 3 runs (every variant, every run), and 3
 /// of 3 behind PgBouncer.
-/// Likely cause (read afterwards): the guard's catalog read sees the
+/// Fixed by migration 17. Cause: the guard's catalog read sees the
 /// transaction's snapshot, the planner's index list the current catalog.
 #[tokio::test]
-#[ignore = "found by helper-50: at RR/SERIALIZABLE an older snapshot lets create_once insert a duplicate after DROP INDEX"]
 async fn found_older_snapshot_passes_the_guard_without_the_index() {
     for level in ["REPEATABLE READ", "SERIALIZABLE"] {
         for prepared in [false, true] {
@@ -495,10 +494,9 @@ async fn attack46_read_committed_create_after_drop_index_is_refused() {
 /// The same through the documented call shape: `idem::retry::retry` at
 /// SERIALIZABLE, a body that reads another table, then (while a migration
 /// drops the index) creates a key a row holds. It must be `NoUniqueIndex`;
-/// it answers `Created` and commits a second row under the key. Failed 3 of
-/// 3 runs direct and 3 of 3 behind PgBouncer.
+/// it answered `Created` and committed a second row under the key. Failed 3
+/// of 3 runs direct and 3 of 3 behind PgBouncer; fixed by migration 17.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "found by helper-50: retry at SERIALIZABLE commits a duplicate key after a concurrent DROP INDEX"]
 async fn found_retry_at_serializable_commits_a_duplicate_after_drop_index() {
     let env = env46(2).await;
     let mut setup = env.conn().await;
