@@ -128,7 +128,9 @@ pub enum CreateOnceError {
     },
     /// The database refused a statement, or the connection failed. A
     /// serialization failure here (a concurrent create at REPEATABLE READ or
-    /// SERIALIZABLE) is transient: `#[retryable]` replays it.
+    /// SERIALIZABLE, or the key's unique index changed by the catalog after
+    /// the transaction's snapshot: migration 17) is transient: `#[retryable]`
+    /// replays it.
     #[error("database error: {0}")]
     Database(#[from] DieselError),
 }

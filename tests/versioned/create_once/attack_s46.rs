@@ -8,6 +8,7 @@ use diesel::sql_types::Integer;
 
 use super::*;
 
+mod concurrently;
 mod guard;
 mod lifecycle;
 mod shapes;
@@ -104,6 +105,14 @@ async fn env46(size: usize) -> Env {
     let env = env(size).await;
     env.conn().await.batch_execute(MORE).await.unwrap();
     env
+}
+
+/// Migration 17's answer to a create whose snapshot saw the key's index and
+/// the catalog has changed it since: a serialization failure (40001),
+/// nothing written, for the retry loop to replay with a fresh snapshot.
+fn overtaken(answer: &str) -> bool {
+    answer.starts_with("Err(Database(DatabaseError(SerializationFailure")
+        && answer.contains("changed after this transaction's snapshot")
 }
 
 /// `SELECT count(*)` of a query's rows, on a side connection.

@@ -1,0 +1,78 @@
+//! `DROP INDEX CONCURRENTLY` of the key's index while a transaction whose
+//! snapshot is older creates: the index stays in the catalog, first no
+//! longer valid, then no longer maintained (not "ready"), until the drop
+//! ends. In that second phase `ON CONFLICT DO NOTHING` no longer consults
+//! it, so the guard must refuse the create, though the index still exists.
+
+use super::*;
+
+/// Polls (on side connections) until `sql` finds a row, for up to 10 s.
+async fn until(env: &Env, sql: &str) {
+    for _ in 0..200 {
+        if count_sql(env, sql).await > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("never: {sql}");
+}
+
+/// A transaction at REPEATABLE READ or SERIALIZABLE takes its snapshot (a
+/// read of another table), then `DROP INDEX CONCURRENTLY` runs: it marks
+/// the index invalid, waits for a first locker of the table, marks it not
+/// ready, and waits for a second locker, which holds it in that phase. The
+/// transaction then creates a key a row holds: a serialization failure
+/// (40001), one row; replayed, its fresh snapshot sees the index invalid,
+/// and the create is refused (`NoUniqueIndex`). With migration 17's first form, which asked only whether the
+/// catalog still held the index, the create passed the guard (its snapshot
+/// sees the index valid and ready), and the INSERT, which checks only
+/// indexes still maintained, wrote a second row under the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_in_an_older_snapshot_during_drop_index_concurrently_is_refused() {
+    for level in ["REPEATABLE READ", "SERIALIZABLE"] {
+        let env = env46(2).await;
+        let mut setup = env.conn().await;
+        setup
+            .batch_execute(
+                "CREATE UNIQUE INDEX k ON loose_orders (request_id); \
+                 INSERT INTO loose_orders VALUES (1, 'k', 5, 0)",
+            )
+            .await
+            .unwrap();
+        let mut creator = env.pool.get().await.unwrap();
+        let begin = format!("BEGIN ISOLATION LEVEL {level}; SELECT count(*) FROM shop_orders");
+        creator.batch_execute(&begin).await.unwrap();
+        let lock = "BEGIN; LOCK loose_orders IN ACCESS SHARE MODE";
+        let (mut first, mut second) = (env.conn().await, env.conn().await);
+        first.batch_execute(lock).await.unwrap();
+        let mut dropper = env.conn().await;
+        let drop =
+            tokio::spawn(async move { dropper.batch_execute("DROP INDEX CONCURRENTLY k").await });
+        until(
+            &env,
+            "SELECT FROM pg_index WHERE indexrelid = 'k'::regclass AND NOT indisvalid",
+        )
+        .await;
+        second.batch_execute(lock).await.unwrap();
+        first.batch_execute("COMMIT").await.unwrap();
+        until(
+            &env,
+            "SELECT FROM pg_index WHERE indexrelid = 'k'::regclass AND NOT indisready",
+        )
+        .await;
+
+        let answer = format!("{:?}", loose(2, "k").create_once(&mut creator).await);
+        let _ = creator.batch_execute("COMMIT").await;
+        // Replayed (a fresh transaction, the drop still in its second phase).
+        creator.batch_execute(&begin).await.unwrap();
+        let replayed = format!("{:?}", loose(3, "k").create_once(&mut creator).await);
+        let _ = creator.batch_execute("COMMIT").await;
+        second.batch_execute("COMMIT").await.unwrap();
+        drop.await.unwrap().unwrap();
+        let rows = count_sql(&env, "SELECT 1 FROM loose_orders WHERE request_id = 'k'").await;
+        assert!(
+            overtaken(&answer) && replayed.contains("NoUniqueIndex") && rows == 1,
+            "{level}: answered {answer}, replayed {replayed}; rows under 'k': {rows}"
+        );
+    }
+}
