@@ -225,7 +225,7 @@ async fn found_concurrent_ddl_lets_a_duplicate_in() {
             for k in 0..12i64 {
                 let id = racer * 100 + k;
                 let row = loose(id, &format!("k{k}"));
-                let answer = match retry(&pool, policy.clone(), "ddl", |c| {
+                let answer = match retry(&pool, policy, "ddl", |c| {
                     let row = row.clone();
                     async move { Ok::<_, AppError>(row.create_once(c).await?) }.scope_boxed()
                 })

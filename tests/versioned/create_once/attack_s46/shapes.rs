@@ -444,7 +444,7 @@ async fn attack46_reindex_concurrently_under_load() {
                 for k in 0..30i64 {
                     let row = loose(t * 100 + k, &format!("r{t}-{k}"));
                     for expect_created in [true, false] {
-                        let answer = retry(&pool, policy.clone(), "reindex", |c| {
+                        let answer = retry(&pool, policy, "reindex", |c| {
                             let row = row.clone();
                             async move { Ok::<_, AppError>(row.create_once(c).await?) }
                                 .scope_boxed()
