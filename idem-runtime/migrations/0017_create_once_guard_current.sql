@@ -15,16 +15,18 @@
 -- Now an index counts only when the row of pg_index the snapshot shows is
 -- still the catalog's own: the index is still there (pg_get_indexdef reads
 -- it through the system cache, which is current), and no transaction that
--- committed has replaced or deleted that row since (its xmax; a DROP INDEX
--- CONCURRENTLY changes the row twice before it drops it, a REINDEX
--- CONCURRENTLY swaps it). When the snapshot saw such an index and the
+-- committed after the snapshot has replaced or deleted that row (its xmax,
+-- unless the snapshot sees it committed: then it only locked the row, as a
+-- SELECT .. FOR SHARE of pg_index does, and such a lock stays on the row;
+-- a DROP INDEX CONCURRENTLY changes the row twice before it drops it, a
+-- REINDEX CONCURRENTLY swaps it). When the snapshot saw such an index and the
 -- catalog has changed it since, the guard raises a serialization failure
 -- (40001): nothing is written, and the retry loop replays the transaction,
 -- whose fresh snapshot then sees the index as it is (a rebuilt one passes,
 -- a dropped one is refused, IDR03). An index created after the snapshot is
 -- not seen until the next statement (READ COMMITTED) or transaction: the
 -- guard refuses (IDR03) until then, and writes nothing.
-
+--
 -- It also required that the index's key columns be `cols`, and checked
 -- only that each key column is one of them: a unique index on (key, key),
 -- with as many columns as (tenant, key), passed without covering the
@@ -35,6 +37,7 @@ LANGUAGE plpgsql IMMUTABLE STRICT AS $$
 DECLARE
     deferrable_index text;
     candidate record;
+    xmax8 xid8;
     stale boolean := false;
     -- The snapshot's horizon as a 64-bit transaction id, to read a row's
     -- 32-bit xmax in its epoch (it lies within 2^31 of the horizon either
@@ -62,11 +65,17 @@ BEGIN
                JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k])
               = (SELECT array_agg(DISTINCT c ORDER BY c) FROM unnest(cols) AS c)
     LOOP
+        xmax8 := (horizon
+                  + (candidate.xmax::text::bigint - (horizon & 4294967295) + 6442450944) % 4294967296
+                  - 2147483648)::text::xid8;
+        -- Current: still in the system cache, and no transaction replaced or
+        -- deleted its row after the snapshot. A committed xmax the snapshot
+        -- already sees can only have locked the row (a deleter it saw would
+        -- hide it), and an aborted or running one changed nothing.
         IF pg_get_indexdef(candidate.indexrelid) IS NOT NULL
            AND (candidate.xmax = '0'::xid
-                OR pg_xact_status((horizon
-                       + (candidate.xmax::text::bigint - (horizon & 4294967295) + 6442450944) % 4294967296
-                       - 2147483648)::text::xid8) IS DISTINCT FROM 'committed') THEN
+                OR pg_xact_status(xmax8) IS DISTINCT FROM 'committed'
+                OR pg_visible_in_snapshot(xmax8, pg_current_snapshot())) THEN
             RETURN 0;
         END IF;
         stale := true;

@@ -76,3 +76,56 @@ async fn a_create_in_an_older_snapshot_during_drop_index_concurrently_is_refused
         );
     }
 }
+
+/// A row lock on the index's row of `pg_index` (`SELECT .. FOR SHARE`, by
+/// a monitoring query say) leaves its transaction's id in the row's xmax
+/// after it commits. That is not a change of the index: creates go on, at
+/// once and under the retry loop at REPEATABLE READ when the lock commits
+/// after the body's snapshot (one replay at most). The guard's first
+/// xmax check read any committed xmax as a change, and refused (40001) every
+/// create of the table from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_lock_on_the_index_catalog_row_changes_nothing() {
+    let env = env46(2).await;
+    let lock_row = "BEGIN; SELECT FROM pg_index WHERE indexrelid = 'k'::regclass FOR SHARE; COMMIT";
+    let mut setup = env.conn().await;
+    setup
+        .batch_execute("CREATE UNIQUE INDEX k ON loose_orders (request_id)")
+        .await
+        .unwrap();
+    setup.batch_execute(lock_row).await.unwrap();
+    let mut conn = env.pool.get().await.unwrap();
+    let first = format!("{:?}", loose(1, "a").create_once(&mut conn).await);
+    let check = idem::versioned::check_create_once::<LooseOrder>(&mut conn).await;
+    assert!(
+        first.starts_with("Ok(Created") && check.is_ok(),
+        "{first}; check {check:?}"
+    );
+
+    let policy = RetryPolicy::new()
+        .isolation(Isolation::RepeatableRead)
+        .max_attempts(4)
+        .deadline(Duration::from_secs(10));
+    let pool = env.pool.clone();
+    let call = tokio::spawn(async move {
+        retry(&pool, policy, "lock", |c| {
+            async move {
+                diesel::sql_query("SELECT count(*) AS n FROM shop_orders")
+                    .get_result::<Count>(c)
+                    .await?;
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                Ok::<_, AppError>(loose(2, "b").create_once(c).await?)
+            }
+            .scope_boxed()
+        })
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    setup.batch_execute(lock_row).await.unwrap();
+    let answer = format!("{:?}", call.await.unwrap());
+    let rows = count_sql(&env, "SELECT 1 FROM loose_orders").await;
+    assert!(
+        answer.starts_with("Ok(Created") && rows == 2,
+        "{answer}; rows {rows}"
+    );
+}
