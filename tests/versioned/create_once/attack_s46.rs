@@ -101,7 +101,7 @@ struct MixedOrder {
     version: i64,
 }
 
-async fn env46(size: usize) -> Env {
+pub(super) async fn env46(size: usize) -> Env {
     let env = env(size).await;
     env.conn().await.batch_execute(MORE).await.unwrap();
     env
@@ -110,13 +110,13 @@ async fn env46(size: usize) -> Env {
 /// Migration 17's answer to a create whose snapshot saw the key's index and
 /// the catalog has changed it since: a serialization failure (40001),
 /// nothing written, for the retry loop to replay with a fresh snapshot.
-fn overtaken(answer: &str) -> bool {
+pub(super) fn overtaken(answer: &str) -> bool {
     answer.starts_with("Err(Database(DatabaseError(SerializationFailure")
         && answer.contains("changed after this transaction's snapshot")
 }
 
 /// `SELECT count(*)` of a query's rows, on a side connection.
-async fn count_sql(env: &Env, sql: &str) -> i64 {
+pub(super) async fn count_sql(env: &Env, sql: &str) -> i64 {
     diesel::sql_query(format!("SELECT count(*) AS n FROM ({sql}) q"))
         .get_result::<Count>(&mut env.conn().await)
         .await
@@ -414,7 +414,7 @@ async fn attack46_plain_transaction_goes_on_after_mismatch_and_conflict() {
         .is_created());
 }
 
-fn loose(id: i64, key: &str) -> LooseOrder {
+pub(super) fn loose(id: i64, key: &str) -> LooseOrder {
     LooseOrder {
         id,
         request_id: key.into(),
@@ -424,7 +424,7 @@ fn loose(id: i64, key: &str) -> LooseOrder {
 }
 
 /// The pid of the one backend of this database that waits on a lock.
-async fn blocked_pid(env: &Env) -> i32 {
+pub(super) async fn blocked_pid(env: &Env) -> i32 {
     #[derive(QueryableByName)]
     struct Pid {
         #[diesel(sql_type = Integer)]

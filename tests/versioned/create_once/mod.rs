@@ -17,6 +17,7 @@ use scoped_futures::ScopedFutureExt;
 use tokio::sync::Barrier;
 
 mod attack_s46;
+mod attack_s47;
 mod guard;
 mod limits;
 
