@@ -26,8 +26,9 @@
 //! ARRAY[<tenant and key columns>])` (migrations 16 and 17), an IMMUTABLE
 //! function of constants that PostgreSQL evaluates when it plans the
 //! statement and again whenever the table's indexes or the search_path
-//! change, and that raises unless the index is there in the catalog as the
-//! planner sees it (not as an older snapshot does: migration 17). So the check costs nothing per call and
+//! change, and that raises unless the planner, planning
+//! `ON CONFLICT (<tenant and key>)` with the catalog the INSERT is planned
+//! with, finds the index (migration 17; not an older snapshot's catalog). So the check costs nothing per call and
 //! follows every database, schema and index the statement meets.
 //!
 //! Isolation: at READ COMMITTED the read after a conflict takes a new
@@ -128,9 +129,7 @@ pub enum CreateOnceError {
     },
     /// The database refused a statement, or the connection failed. A
     /// serialization failure here (a concurrent create at REPEATABLE READ or
-    /// SERIALIZABLE, or the key's unique index changed by the catalog after
-    /// the transaction's snapshot: migration 17) is transient: `#[retryable]`
-    /// replays it.
+    /// SERIALIZABLE) is transient: `#[retryable]` replays it.
     #[error("database error: {0}")]
     Database(#[from] DieselError),
 }

@@ -107,14 +107,6 @@ pub(super) async fn env46(size: usize) -> Env {
     env
 }
 
-/// Migration 17's answer to a create whose snapshot saw the key's index and
-/// the catalog has changed it since: a serialization failure (40001),
-/// nothing written, for the retry loop to replay with a fresh snapshot.
-pub(super) fn overtaken(answer: &str) -> bool {
-    answer.starts_with("Err(Database(DatabaseError(SerializationFailure")
-        && answer.contains("changed after this transaction's snapshot")
-}
-
 /// `SELECT count(*)` of a query's rows, on a side connection.
 pub(super) async fn count_sql(env: &Env, sql: &str) -> i64 {
     diesel::sql_query(format!("SELECT count(*) AS n FROM ({sql}) q"))

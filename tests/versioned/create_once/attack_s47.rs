@@ -1,7 +1,8 @@
 //! helper-51's hostile pass on migration 17 (`idem_create_once_guard` reading
 //! the indexes as they are now). Every answer is checked against the rows in
-//! the table. `attack47_*` are promises that held; `found_*` (ignored) fail
-//! on the code they were written against.
+//! the table. `attack47_*` are promises that held; `found_*` failed on the
+//! code they were written against (ab37afb) and pass since migration 17
+//! asks the planner instead of reading pg_index.
 
 use super::attack_s46::{blocked_pid, count_sql, env46, loose};
 
@@ -56,10 +57,10 @@ const LOCK_INDEX_ROW: &str =
 /// fresh transaction, is a serialization failure (40001), the retry loop
 /// spends its budget on it, and `check_create_once` refuses too. Only a
 /// `VACUUM FREEZE` of pg_index (or 50 million transactions later) clears it.
-/// Expected: `Created`, one row under the new key. Failed 3 of 3 runs (direct
-/// and 1 of 1 through PgBouncer).
+/// Expected: `Created`, then `Existing`, one row under the new key. Failed 3
+/// of 3 runs (direct and 1 of 1 through PgBouncer) on ab37afb; fixed since
+/// (the guard asks the planner and reads no xmax).
 #[tokio::test]
-#[ignore = "found by helper-51: a committed row lock on the index's pg_index row refuses every create_once (40001) until VACUUM FREEZE"]
 async fn found_a_committed_row_lock_on_pg_index_refuses_creates_until_freeze() {
     let env = indexed(2).await;
     let mut side = env.conn().await;
@@ -84,7 +85,8 @@ async fn found_a_committed_row_lock_on_pg_index_refuses_creates_until_freeze() {
         "after VACUUM FREEZE: {after_freeze}"
     );
     assert!(
-        answers.iter().all(|a| a.contains(": Ok(Created"))
+        answers[0].contains(": Ok(Created")
+            && answers[1..].iter().all(|a| a.contains(": Ok(Existing"))
             && check.is_ok()
             && plain.starts_with("Ok(Existing")
             && rows == 1,
@@ -100,9 +102,8 @@ async fn found_a_committed_row_lock_on_pg_index_refuses_creates_until_freeze() {
 /// cluster the multixact number maps to a committed xid; where it maps past
 /// the next xid, pg_xact_status raises "transaction ID .. is in the future",
 /// an untyped `Database` error: not reproduced, the counter cannot be moved
-/// without pg_resetwal).
+/// without pg_resetwal). Fixed since ab37afb: the guard reads no xmax.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "found by helper-51: a multixact xmax (two FOR SHARE lockers) on pg_index is read as an xid and refuses create_once"]
 async fn found_two_share_lockers_of_pg_index_refuse_creates() {
     let env = indexed(2).await;
     let lock = "BEGIN; SELECT 1 FROM pg_index WHERE indexrelid = 'k'::regclass FOR SHARE";
@@ -240,11 +241,11 @@ async fn create_across_a_column_swap(level: &str, prepared: bool) -> (String, i6
 /// 2 rows under 'k' at REPEATABLE READ, SERIALIZABLE, and READ COMMITTED on
 /// a connection whose INSERT was prepared (RC unprepared: `NoUniqueIndex`,
 /// held). Failed 3 of 3 runs direct; through PgBouncer (no prepared
-/// statements) 1 of 1, at REPEATABLE READ and SERIALIZABLE only.
-/// Without DROP NOT NULL the same creates pass the guard and stop only on
+/// statements) 1 of 1, at REPEATABLE READ and SERIALIZABLE only. Fixed
+/// since ab37afb: the guard asks the planner, which names the columns as
+/// they are now (`NoUniqueIndex`). Without DROP NOT NULL the same creates pass the guard and stop only on
 /// the old column's NOT NULL (an untyped `Database` error).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "found by helper-51: a column rename swap after the snapshot passes the guard by old names; a second row under a taken key"]
 async fn found_a_column_swap_after_the_snapshot_writes_a_duplicate() {
     let mut failures = Vec::new();
     for (level, prepared) in [
