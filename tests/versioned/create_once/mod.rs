@@ -18,6 +18,7 @@ use tokio::sync::Barrier;
 
 mod attack_s46;
 mod attack_s47;
+mod attack_s48;
 mod guard;
 mod limits;
 
