@@ -116,3 +116,67 @@ async fn attack48_index_swaps_and_reindex_under_racers_write_no_duplicate() {
         }
     }
 }
+
+/// The key column and an unindexed twin swap names in a loop, one
+/// autocommitted RENAME at a time (so between them `request_id` is the
+/// unindexed column, or missing), while 8 racers create at each isolation
+/// level. Whatever a racer is answered (Created, Existing, `NoUniqueIndex`
+/// or the database's "column does not exist"), no row is ever written
+/// while `request_id` names the twin (the twin holds '' in every row) and
+/// no key has two rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack48_a_column_rename_loop_under_racers_writes_nothing_unguarded() {
+    const ROTATE: &[&str] = &[
+        "ALTER TABLE p48_orders RENAME COLUMN request_id TO tmp48",
+        "ALTER TABLE p48_orders RENAME COLUMN twin TO request_id",
+        "ALTER TABLE p48_orders RENAME COLUMN tmp48 TO twin",
+    ];
+    for level in LEVELS {
+        let env = env48(
+            RACERS as usize + 1,
+            "CREATE TABLE p48_orders (tenant_id bigint NOT NULL, id bigint NOT NULL,
+                 request_id text NOT NULL DEFAULT '', amount bigint NOT NULL,
+                 version bigint NOT NULL DEFAULT 0, twin text NOT NULL DEFAULT '',
+                 PRIMARY KEY (tenant_id, id), UNIQUE (tenant_id, request_id))",
+        )
+        .await;
+        // An even number of rotations leaves the names as they were.
+        let (odd, _created, rows, _) =
+            race_against(&env, level, [ROTATE, ROTATE].concat().leak()).await;
+        eprintln!(
+            "{level:?}: {} refused of {}, {rows} rows",
+            odd.len(),
+            RACERS * KEYS * 2
+        );
+        let unexpected: Vec<&String> = odd
+            .iter()
+            .filter(|a| !a.contains("NoUniqueIndex") && !a.contains("does not exist"))
+            .collect();
+        // Which column is indexed now: the one named in the index.
+        let indexed = count_sql(
+            &env,
+            "SELECT 1 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid
+             AND a.attnum = i.indkey[1] WHERE i.indrelid = 'p48_orders'::regclass
+             AND i.indnatts = 2 AND a.attname = 'request_id'",
+        )
+        .await;
+        let unguarded = count_sql(
+            &env,
+            &format!(
+                "SELECT 1 FROM p48_orders WHERE {} <> ''",
+                if indexed == 1 { "twin" } else { "request_id" }
+            ),
+        )
+        .await;
+        let dups = count_sql(
+            &env,
+            "SELECT 1 FROM p48_orders GROUP BY tenant_id, request_id, twin HAVING count(*) > 1",
+        )
+        .await;
+        assert!(
+            unexpected.is_empty() && unguarded == 0 && dups == 0 && rows > 0,
+            "{level:?}: unexpected {unexpected:#?}; rows {rows}; unguarded {unguarded}; dups {dups}; odd {}",
+            odd.len()
+        );
+    }
+}

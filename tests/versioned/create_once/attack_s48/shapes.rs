@@ -178,7 +178,7 @@ async fn attack48_reserved_and_spaced_names_are_quoted() {
 /// support deferrable unique constraints/exclusion constraints as
 /// arbiters"): an untyped `CreateOnceError::Database`, and
 /// `check_create_once` says Ok. Expected: `NoUniqueIndex` from both.
-/// Failed 3 of 3 runs direct, 2 of 2 through PgBouncer.
+/// Failed 5 of 5 runs direct, 3 of 3 through PgBouncer.
 #[tokio::test]
 #[ignore = "found by helper-52: a deferrable constraint behind a view passes the guard, then an untyped 55000"]
 async fn found_a_deferrable_constraint_behind_a_view_is_untyped() {
@@ -210,7 +210,7 @@ async fn found_a_deferrable_constraint_behind_a_view_is_untyped() {
 /// expression, which checks EXECUTE: every create, and
 /// `check_create_once`, fails with 42501 "permission denied for function
 /// tenant48", an untyped `CreateOnceError::Database`. Expected: `Created`,
-/// then `Existing`, one row. Failed 3 of 3 runs (direct only: SET ROLE on
+/// then `Existing`, one row. Failed 8 of 8 runs (direct only: SET ROLE on
 /// a side connection).
 #[tokio::test]
 #[ignore = "found by helper-52: a tenant default the role may not EXECUTE refuses every create (untyped 42501)"]
@@ -261,4 +261,46 @@ async fn found_a_default_the_role_may_not_execute_refuses_every_create() {
             && rows == 1,
         "check: {check:?}; first: {first:?}; again: {again:?}; rows: {rows}"
     );
+}
+
+/// A role with SELECT but no INSERT on the table (a read-only start-up
+/// checker): `check_create_once` is refused by PostgreSQL's privilege
+/// check, `CreateOnceError::Database` ("permission denied"), as the guide
+/// says (planning an INSERT needs INSERT), never `NoUniqueIndex`; with
+/// INSERT on the tenant and key columns only, it passes.
+#[tokio::test]
+async fn attack48_check_create_once_needs_insert_on_the_key_columns() {
+    let env = env48(1, P48_TABLE).await;
+    let role = format!("chk48_{}", env.db.name());
+    let mut admin = env.conn().await;
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {role}; GRANT SELECT ON p48_orders TO {role}"
+        ))
+        .await
+        .unwrap();
+    let mut conn = env.conn().await;
+    conn.batch_execute(&format!("SET ROLE {role}"))
+        .await
+        .unwrap();
+    let denied = idem::versioned::check_create_once::<P48Order>(&mut conn).await;
+    admin
+        .batch_execute(&format!(
+            "GRANT INSERT (tenant_id, request_id) ON p48_orders TO {role}"
+        ))
+        .await
+        .unwrap();
+    let granted = idem::versioned::check_create_once::<P48Order>(&mut conn).await;
+    drop(conn);
+    admin
+        .batch_execute(&format!(
+            "REVOKE ALL ON p48_orders FROM {role}; DROP ROLE {role}"
+        ))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&denied, Err(CreateOnceError::Database(e)) if e.to_string().contains("permission denied")),
+        "{denied:?}"
+    );
+    assert!(granted.is_ok(), "{granted:?}");
 }
