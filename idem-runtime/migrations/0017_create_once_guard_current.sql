@@ -19,8 +19,8 @@
 -- Now the guard asks PostgreSQL's own question, with the catalog the INSERT
 -- is planned with: would ON CONFLICT (`cols`) find an arbiter? A VOLATILE
 -- helper (an IMMUTABLE function may not run EXPLAIN) plans, without running
--- it, `INSERT INTO tbl (cols) VALUES (DEFAULT, ..) ON CONFLICT (cols) DO
--- NOTHING`; the planner accepts it only when a valid unique index has
+-- it, `INSERT INTO tbl (cols) OVERRIDING SYSTEM VALUE VALUES (NULL, ..) ON
+-- CONFLICT (cols) DO NOTHING`; the planner accepts it only when a valid unique index has
 -- exactly `cols` as its key columns (by their names now, in any order), is
 -- not partial and not on expressions, or it raises 42P10, which the guard
 -- turns into IDR03 (NoUniqueIndex), nothing written. The planning happens
@@ -30,9 +30,9 @@
 -- it runs when PostgreSQL plans the INSERT (at a connection's first create,
 -- and again after any change to the table's indexes or columns), not at
 -- each execution; behind a transaction pooler, where nothing is prepared,
--- at each call. A deferrable unique or exclusion constraint anywhere on
--- the table is still refused first, as in migration 16 (ON CONFLICT with
--- no target would raise on it at every insert).
+-- at each call. A deferrable unique or exclusion constraint on the table
+-- or a partition of it is still refused first, as in migration 16 (ON
+-- CONFLICT with no target raises on it at every insert).
 
 -- Whether ON CONFLICT (`cols`) finds an arbiter on `tbl` now: NULL when it
 -- does, else the planner's message.
@@ -40,10 +40,13 @@ CREATE OR REPLACE FUNCTION idem_create_once_arbiter(tbl regclass, cols text[]) R
 LANGUAGE plpgsql VOLATILE STRICT AS $$
 DECLARE
     names text := (SELECT string_agg(quote_ident(c), ', ') FROM unnest(cols) AS c);
-    defaults text := (SELECT string_agg('DEFAULT', ', ') FROM unnest(cols) AS c);
+    -- NULLs, as the create gives values: a default of these columns is
+    -- never planned (one that raises when folded, or calls a function the
+    -- role may not run, would refuse a create that never uses it).
+    nulls text := (SELECT string_agg('NULL', ', ') FROM unnest(cols) AS c);
 BEGIN
-    EXECUTE format('EXPLAIN (COSTS OFF) INSERT INTO %s (%s) VALUES (%s) ON CONFLICT (%s) DO NOTHING',
-                   tbl, names, defaults, names);
+    EXECUTE format('EXPLAIN (COSTS OFF) INSERT INTO %s (%s) OVERRIDING SYSTEM VALUE VALUES (%s) ON CONFLICT (%s) DO NOTHING',
+                   tbl, names, nulls, names);
     RETURN NULL;
 EXCEPTION WHEN invalid_column_reference THEN
     RETURN SQLERRM;
@@ -59,9 +62,16 @@ DECLARE
     deferrable_index text;
     no_arbiter text;
 BEGIN
+    -- On the table or any of its partitions, and still in the catalog
+    -- (pg_get_indexdef reads the system cache: one dropped since the
+    -- snapshot is not held against the create). One added since is not
+    -- seen here; the INSERT then fails on it, and create_once answers
+    -- NoUniqueIndex for that too.
     SELECT i.indexrelid::regclass::text INTO deferrable_index
     FROM pg_index i
-    WHERE i.indrelid = tbl AND NOT i.indimmediate AND (i.indisunique OR i.indisexclusion)
+    WHERE (i.indrelid = tbl OR i.indrelid IN (SELECT relid FROM pg_partition_tree(tbl)))
+      AND NOT i.indimmediate AND (i.indisunique OR i.indisexclusion)
+      AND pg_get_indexdef(i.indexrelid) IS NOT NULL
     LIMIT 1;
     IF deferrable_index IS NOT NULL THEN
         RAISE EXCEPTION 'idem: create_once: deferrable: % has the deferrable unique or exclusion constraint %, which ON CONFLICT refuses', tbl, deferrable_index

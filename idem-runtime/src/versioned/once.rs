@@ -116,8 +116,11 @@ pub enum CreateOnceError {
     /// The table has no unique index on exactly the tenant and key columns,
     /// so the database would not stop a second row with the same key; or it
     /// has a deferrable unique or exclusion constraint, which `ON CONFLICT`
-    /// refuses. Found when PostgreSQL plans the INSERT (migration 16's
-    /// guard), before anything is written; the transaction is aborted.
+    /// refuses. Found when PostgreSQL plans the INSERT (migration 17's
+    /// guard), or, for a deferrable constraint the guard could not see (one
+    /// added after the statement's snapshot, or behind a view), when the
+    /// INSERT meets it; before anything is written either way, and the
+    /// transaction is aborted.
     #[error("create_once cannot be used on {table}: {reason}")]
     NoUniqueIndex {
         /// The table, as SQL names it.
@@ -286,23 +289,33 @@ fn repeat<M: CreateOnceModel>(
 /// reports no SQLSTATE of its own).
 const GUARD: &str = "idem: create_once: ";
 
-/// The guard's refusal as [`CreateOnceError::NoUniqueIndex`]; any other
-/// error as it is.
+/// How PostgreSQL's executor refuses an `ON CONFLICT` that meets a
+/// deferrable unique or exclusion constraint (55000): one the guard could
+/// not see, added after the statement's snapshot or behind a view (the
+/// pool reads messages in English, `lc_messages = C`).
+const DEFERRABLE_ARBITER: &str = "ON CONFLICT does not support deferrable";
+
+/// The guard's refusal, or the executor's over a deferrable constraint, as
+/// [`CreateOnceError::NoUniqueIndex`]; any other error as it is.
 fn refused<M: CreateOnceModel>(err: DieselError) -> CreateOnceError {
-    match &err {
-        DieselError::DatabaseError(_, info) if info.message().starts_with(GUARD) => {
-            let reason = info.message()[GUARD.len()..].to_owned();
-            let reason = match info.hint() {
-                Some(hint) => format!("{reason}; {hint}"),
-                None => reason,
-            };
-            CreateOnceError::NoUniqueIndex {
-                table: M::table_sql(),
-                columns: M::ONCE_COLUMNS.to_vec(),
-                reason,
-            }
-        }
-        _ => CreateOnceError::Database(err),
+    let DieselError::DatabaseError(_, info) = &err else {
+        return CreateOnceError::Database(err);
+    };
+    let reason = if let Some(reason) = info.message().strip_prefix(GUARD) {
+        reason.to_owned()
+    } else if info.message().starts_with(DEFERRABLE_ARBITER) {
+        format!("deferrable: {}", info.message())
+    } else {
+        return CreateOnceError::Database(err);
+    };
+    let reason = [info.details(), info.hint()]
+        .into_iter()
+        .flatten()
+        .fold(reason, |reason, more| format!("{reason}; {more}"));
+    CreateOnceError::NoUniqueIndex {
+        table: M::table_sql(),
+        columns: M::ONCE_COLUMNS.to_vec(),
+        reason,
     }
 }
 
