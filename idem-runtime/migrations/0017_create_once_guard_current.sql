@@ -20,9 +20,10 @@
 -- is planned with: would ON CONFLICT (`cols`) find an arbiter? A VOLATILE
 -- helper (an IMMUTABLE function may not run EXPLAIN) plans, without running
 -- it, `INSERT INTO tbl (cols) OVERRIDING SYSTEM VALUE VALUES (NULL, ..) ON
--- CONFLICT (cols) DO NOTHING`; the planner accepts it only when a valid unique index has
--- exactly `cols` as its key columns (by their names now, in any order), is
--- not partial and not on expressions, or it raises 42P10, which the guard
+-- CONFLICT (cols) DO NOTHING`; the planner accepts it only when a valid
+-- unique index has exactly `cols` as its key columns (by their names now,
+-- in any order), is not partial and not on expressions, or it raises
+-- 42P10, which the guard
 -- turns into IDR03 (NoUniqueIndex), nothing written. The planning happens
 -- under the INSERT's own lock on the table, so the index it finds is the
 -- one the INSERT's ON CONFLICT then meets; an index created after the

@@ -26,10 +26,10 @@
 //! ARRAY[<tenant and key columns>])` (migrations 16 and 17), an IMMUTABLE
 //! function of constants that PostgreSQL evaluates when it plans the
 //! statement and again whenever the table's indexes or the search_path
-//! change, and that raises unless the planner, planning
-//! `ON CONFLICT (<tenant and key>)` with the catalog the INSERT is planned
-//! with, finds the index (migration 17; not an older snapshot's catalog). So the check costs nothing per call and
-//! follows every database, schema and index the statement meets.
+//! change, and that raises unless the planner, planning `ON CONFLICT
+//! (<tenant and key>)` with the catalog the INSERT is planned with (not an
+//! older snapshot's), finds the index. So the check costs nothing per call
+//! and follows every database, schema and index the statement meets.
 //!
 //! Isolation: at READ COMMITTED the read after a conflict takes a new
 //! snapshot and sees the winner. At REPEATABLE READ and SERIALIZABLE
