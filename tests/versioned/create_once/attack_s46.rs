@@ -107,6 +107,20 @@ pub(super) async fn env46(size: usize) -> Env {
     env
 }
 
+/// `loose_orders` with a unique index `k` on `request_id` and a row under 'k'.
+pub(super) async fn indexed(size: usize) -> Env {
+    let env = env46(size).await;
+    env.conn()
+        .await
+        .batch_execute(
+            "CREATE UNIQUE INDEX k ON loose_orders (request_id); \
+             INSERT INTO loose_orders VALUES (1, 'k', 5, 0)",
+        )
+        .await
+        .unwrap();
+    env
+}
+
 /// `SELECT count(*)` of a query's rows, on a side connection.
 pub(super) async fn count_sql(env: &Env, sql: &str) -> i64 {
     diesel::sql_query(format!("SELECT count(*) AS n FROM ({sql}) q"))

@@ -4,7 +4,7 @@
 //! code they were written against (ab37afb) and pass since migration 17
 //! asks the planner instead of reading pg_index.
 
-use super::attack_s46::{blocked_pid, count_sql, env46, loose};
+use super::attack_s46::{blocked_pid, count_sql, env46, indexed, loose};
 
 use super::*;
 
@@ -30,20 +30,6 @@ async fn key_rows(env: &Env, key: &str) -> i64 {
         &format!("SELECT 1 FROM loose_orders WHERE request_id = '{key}'"),
     )
     .await
-}
-
-/// `loose_orders` with a unique index `k` on `request_id` and a row under 'k'.
-async fn indexed(size: usize) -> Env {
-    let env = env46(size).await;
-    env.conn()
-        .await
-        .batch_execute(
-            "CREATE UNIQUE INDEX k ON loose_orders (request_id); \
-             INSERT INTO loose_orders VALUES (1, 'k', 5, 0)",
-        )
-        .await
-        .unwrap();
-    env
 }
 
 const LOCK_INDEX_ROW: &str =

@@ -30,15 +30,7 @@ async fn until(env: &Env, sql: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_in_an_older_snapshot_during_drop_index_concurrently_is_refused() {
     for level in ["REPEATABLE READ", "SERIALIZABLE"] {
-        let env = env46(2).await;
-        let mut setup = env.conn().await;
-        setup
-            .batch_execute(
-                "CREATE UNIQUE INDEX k ON loose_orders (request_id); \
-                 INSERT INTO loose_orders VALUES (1, 'k', 5, 0)",
-            )
-            .await
-            .unwrap();
+        let env = indexed(2).await;
         let mut creator = env.pool.get().await.unwrap();
         let begin = format!("BEGIN ISOLATION LEVEL {level}; SELECT count(*) FROM shop_orders");
         creator.batch_execute(&begin).await.unwrap();

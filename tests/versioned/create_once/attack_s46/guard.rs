@@ -315,12 +315,8 @@ async fn until_any_blocked(env: &Env) {
 /// index is gone) and write nothing. `prepared` runs the creator's
 /// connection through 8 creates first (a long-prepared statement).
 async fn create_behind_a_drop_index(prepared: bool, pooled: bool, wait: bool) -> (String, i64) {
-    let env = env46(2).await;
+    let env = indexed(2).await;
     let mut setup = env.conn().await;
-    setup
-        .batch_execute("CREATE UNIQUE INDEX k ON loose_orders (request_id); INSERT INTO loose_orders VALUES (1, 'k', 5, 0)")
-        .await
-        .unwrap();
     let mut creator = if pooled {
         Creator::Pooled(env.pool.get().await.unwrap())
     } else {
@@ -426,12 +422,8 @@ impl std::ops::DerefMut for Creator {
 /// taken (by a read of another table) before a `DROP INDEX` committed, then
 /// creates a key a row already holds.
 async fn create_in_an_older_snapshot(level: &str, prepared: bool) -> (String, i64) {
-    let env = env46(2).await;
+    let env = indexed(2).await;
     let mut setup = env.conn().await;
-    setup
-        .batch_execute("CREATE UNIQUE INDEX k ON loose_orders (request_id); INSERT INTO loose_orders VALUES (1, 'k', 5, 0)")
-        .await
-        .unwrap();
     let mut creator = env.pool.get().await.unwrap();
     if prepared {
         for n in 0..8 {
@@ -499,12 +491,8 @@ async fn attack46_read_committed_create_after_drop_index_is_refused() {
 /// of 3 runs direct and 3 of 3 behind PgBouncer; fixed by migration 17.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn found_retry_at_serializable_commits_a_duplicate_after_drop_index() {
-    let env = env46(2).await;
+    let env = indexed(2).await;
     let mut setup = env.conn().await;
-    setup
-        .batch_execute("CREATE UNIQUE INDEX k ON loose_orders (request_id); INSERT INTO loose_orders VALUES (1, 'k', 5, 0)")
-        .await
-        .unwrap();
     let policy = RetryPolicy::new()
         .isolation(Isolation::Serializable)
         .max_attempts(4)
