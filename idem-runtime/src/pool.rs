@@ -381,6 +381,9 @@ impl Manager {
                 conn
             }
         };
+        if self.pooler == Pooler::Direct {
+            wire.stops_with(conn.cancel_token());
+        }
         Ok(Connection {
             cancel: Box::new(conn.cancel_token()),
             conn,
@@ -455,6 +458,20 @@ impl deadpool::managed::Manager for Manager {
 /// token carries the connection's settings (see the module docs).
 pub(crate) fn cancel_connector() -> wire::Observe {
     wire::Observe(Arc::default())
+}
+
+/// Send a cancel request for the statement `token`'s backend runs, on a
+/// connection of its own, without waiting. Best effort: without a Tokio
+/// runtime, or when the server refuses a cancel request without TLS, the
+/// statement runs to its end.
+pub(crate) fn cancel(token: tokio_postgres::CancelToken) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            if let Err(err) = token.cancel_query(cancel_connector()).await {
+                tracing::debug!(error = %err, "could not cancel the abandoned transaction's statement");
+            }
+        });
+    }
 }
 
 /// Build a [`Pool`] for `database_url` with the defaults of [`PoolConfig`].

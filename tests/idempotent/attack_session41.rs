@@ -250,28 +250,6 @@ async fn attack41_storm_of_drops_around_a_slow_commit() {
     ]);
 }
 
-async fn calls(
-    env: &Env,
-    p: &str,
-    cases: &[(&'static [A], u8)],
-    trials: usize,
-) -> Vec<(String, String, Duration)> {
-    let mut out = Vec::new();
-    for t in 0..trials {
-        for (i, &(steps, end)) in cases.iter().enumerate() {
-            let (pool, key) = (env.pool.clone(), format!("{p}-{i}-{end}-{t}"));
-            let k = key.clone();
-            let t0 = Instant::now();
-            let task =
-                tokio::spawn(async move { one(&pool, V::Rc, &k, &Q { steps, end }, None).await });
-            let ans = task.await.unwrap_or_else(|_| "task panicked".into());
-            out.push((key, format!("{steps:?} end {end}: {ans}"), t0.elapsed()));
-        }
-    }
-    settle_holds(env, p, 2000).await;
-    out
-}
-
 /// Found (fixed): a body that ends with `ROLLBACK` (or `ABORT AND CHAIN`) and has more
 /// requests pipelined behind it (`join_all`), then returns `Ok`, is answered
 /// `Exhausted { last_cause: ConnectionLost }` instead of `TransactionEnded {
@@ -288,7 +266,7 @@ async fn found_pipelined_rollback_then_ok_answers_connection_lost() {
     let cases: &[(&'static [A], u8)] = &[(&[J(&["ROLLBACK", "ROLLBACK", N2])], OK),
         (&[J(&["ABORT AND CHAIN", N2, "COMMIT"])], OK), (&[J(&["ROLLBACK", "SELECT pg_sleep(6)", N2])], OK)];
     let mut bad = Vec::new();
-    for (key, ans, _) in calls(&env, "fr", cases, 3).await {
+    for (key, ans, _) in spawned_calls(&env, "fr", cases, 3).await {
         assert_eq!(
             env.effects(&key).await,
             0,
@@ -323,7 +301,7 @@ async fn found_long_statement_after_a_plain_rollback_is_awaited_not_cancelled() 
     let cases: &[(&'static [A], u8)] = &[(&[Q("ROLLBACK; SELECT pg_sleep(6)"), Ms(50), W(N2)], OK),
         (&[J(&["ABORT; SELECT pg_sleep(6)", N2])], FINAL)];
     let mut bad = Vec::new();
-    for (key, ans, took) in calls(&env, "fl", cases, 1).await {
+    for (key, ans, took) in spawned_calls(&env, "fl", cases, 1).await {
         assert_eq!(
             n_of(&env, &key, 2).await + n_of(&env, &key, 1).await,
             0,
@@ -350,7 +328,7 @@ async fn found_dropped_call_holds_its_key_over_a_failed_commit() {
     let cases: &[(&'static [A], u8)] = &[(&[W(BAD3), Jq(&["COMMIT", N2, XN2]), Ms(30), Q(N2)], HANG),
         (&[W(BAD3), Jq(&["COMMIT", N2, XN2]), Ms(30), Q(N2)], PANIC), (&[W(BAD3), Q("COMMIT"), Q(N2)], HANG)];
     let mut bad = Vec::new();
-    for (key, ans, _) in calls(&env, "fd", cases, 2).await {
+    for (key, ans, _) in spawned_calls(&env, "fd", cases, 2).await {
         assert_eq!(
             env.effects(&key).await,
             0,
@@ -379,7 +357,7 @@ async fn found_queued_commit_and_insert_then_ok_is_answered_ok() {
     #[rustfmt::skip]
     let cases: &[(&'static [A], u8)] = &[(&[W(OK3), Q("COMMIT"), Q(N2)], OK), (&[Q("COMMIT"), Q(N2)], OK)];
     let mut bad = Vec::new();
-    for (key, ans, _) in calls(&env, "fo", cases, 2).await {
+    for (key, ans, _) in spawned_calls(&env, "fo", cases, 2).await {
         assert_eq!(
             (n_of(&env, &key, 1).await, n_of(&env, &key, 2).await),
             (1, 0),

@@ -477,3 +477,28 @@ pub(super) fn verdict(bad: &[String]) {
     bad.iter().take(12).for_each(|b| eprintln!("  {b}"));
     assert!(bad.is_empty(), "{} problems: {:?}", bad.len(), bad.first());
 }
+
+/// Each case of `cases` (steps, end) called `trials` times in local mode,
+/// each in a task of its own, keys `<p>-<case>-<end>-<trial>`: `(key, what
+/// it answered, how long it took)`, once background holds had time to land.
+pub(super) async fn spawned_calls(
+    env: &Env,
+    p: &str,
+    cases: &[(&'static [A], u8)],
+    trials: usize,
+) -> Vec<(String, String, Duration)> {
+    let mut out = Vec::new();
+    for t in 0..trials {
+        for (i, &(steps, end)) in cases.iter().enumerate() {
+            let (pool, key) = (env.pool.clone(), format!("{p}-{i}-{end}-{t}"));
+            let k = key.clone();
+            let t0 = Instant::now();
+            let task =
+                tokio::spawn(async move { one(&pool, V::Rc, &k, &Q { steps, end }, None).await });
+            let ans = task.await.unwrap_or_else(|_| "task panicked".into());
+            out.push((key, format!("{steps:?} end {end}: {ans}"), t0.elapsed()));
+        }
+    }
+    settle_holds(env, p, 2000).await;
+    out
+}

@@ -41,6 +41,7 @@ mod attack_session42;
 mod attack_session43;
 mod attack_session44;
 mod attack_session45;
+mod attack_session46;
 mod attack_swap;
 mod attack_third;
 mod attack_unanswered;

@@ -45,6 +45,7 @@ mod reported;
 mod ride;
 mod says;
 mod seal;
+mod stop;
 mod stream;
 mod unanswered;
 
@@ -79,6 +80,11 @@ pub(crate) struct Wire {
     /// The connection keeps its session's prepared statements (not behind a
     /// transaction pooler).
     session_statements: bool,
+    /// Cancels a statement running behind the body's end (see [`stop`]).
+    stopper: stop::Stopper,
+    /// That cancel was sent: once per connection, which the seal then
+    /// closes.
+    stop_sent: AtomicBool,
 }
 
 /// Counts of transaction control on a connection: compared before and after

@@ -32,7 +32,7 @@ impl Tx {
             // until it ends (the server notices a closed socket only when
             // it next writes): cancelled, as `cancel_and_discard` does.
             if conn.wire().keeps_session_statements() {
-                cancel(conn.made_with());
+                crate::pool::cancel(conn.made_with());
             }
             conn.wire().sever();
         }
@@ -132,22 +132,8 @@ impl Tx {
         let waits_for_standby = self.replication() == Some(Replication::Synchronous)
             && self.wire().is_some_and(Wire::commit_in_flight);
         if let Some(conn) = self.conn.as_ref().filter(|_| !pooled && !waits_for_standby) {
-            cancel(conn.cancel_token());
+            crate::pool::cancel(conn.cancel_token());
         }
-    }
-}
-
-/// Send a cancel request for the statement `token`'s backend runs, on a
-/// connection of its own, without waiting. Best effort: without a Tokio
-/// runtime, or when the server refuses a cancel request without TLS, the
-/// statement runs to its end.
-fn cancel(token: tokio_postgres::CancelToken) {
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(async move {
-            if let Err(err) = token.cancel_query(crate::pool::cancel_connector()).await {
-                tracing::debug!(error = %err, "could not cancel the abandoned transaction's statement");
-            }
-        });
     }
 }
 

@@ -306,6 +306,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
             if this.wire.commit_in_flight() {
                 return Poll::Pending;
             }
+            // So too, once cancelled, a statement behind the body's end
+            // that may commit on its own (see `stop`).
+            if this.wire.stops_behind_end() {
+                return Poll::Pending;
+            }
             this.wire.on_sealed(buf == LONE_COMMIT);
             return Poll::Ready(Err(io::Error::other(
                 "idem: the function's body ended idem's transaction itself; nothing more it sends goes out, and the connection is closed",
