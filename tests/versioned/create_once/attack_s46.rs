@@ -107,17 +107,19 @@ pub(super) async fn env46(size: usize) -> Env {
     env
 }
 
-/// `loose_orders` with a unique index `k` on `request_id` and a row under 'k'.
-pub(super) async fn indexed(size: usize) -> Env {
+/// `loose_orders` with a unique index `k` on `request_id`.
+pub(super) async fn unique_k(size: usize) -> Env {
     let env = env46(size).await;
-    env.conn()
-        .await
-        .batch_execute(
-            "CREATE UNIQUE INDEX k ON loose_orders (request_id); \
-             INSERT INTO loose_orders VALUES (1, 'k', 5, 0)",
-        )
-        .await
-        .unwrap();
+    let index = "CREATE UNIQUE INDEX k ON loose_orders (request_id)";
+    env.conn().await.batch_execute(index).await.unwrap();
+    env
+}
+
+/// [`unique_k`] with a row under 'k'.
+pub(super) async fn indexed(size: usize) -> Env {
+    let env = unique_k(size).await;
+    let row = "INSERT INTO loose_orders VALUES (1, 'k', 5, 0)";
+    env.conn().await.batch_execute(row).await.unwrap();
     env
 }
 

@@ -79,14 +79,9 @@ async fn a_create_in_an_older_snapshot_during_drop_index_concurrently_is_refused
 /// reads no xmax.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_lock_on_the_index_catalog_row_changes_nothing() {
-    let env = env46(2).await;
+    let env = unique_k(2).await;
     let lock_row = "BEGIN; SELECT FROM pg_index WHERE indexrelid = 'k'::regclass FOR SHARE; COMMIT";
-    let mut setup = env.conn().await;
-    setup
-        .batch_execute("CREATE UNIQUE INDEX k ON loose_orders (request_id)")
-        .await
-        .unwrap();
-    setup.batch_execute(lock_row).await.unwrap();
+    env.conn().await.batch_execute(lock_row).await.unwrap();
     let mut conn = env.pool.get().await.unwrap();
     let first = format!("{:?}", loose(1, "a").create_once(&mut conn).await);
     let check = idem::versioned::check_create_once::<LooseOrder>(&mut conn).await;
@@ -114,7 +109,7 @@ async fn a_row_lock_on_the_index_catalog_row_changes_nothing() {
         .await
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    setup.batch_execute(lock_row).await.unwrap();
+    env.conn().await.batch_execute(lock_row).await.unwrap();
     let answer = format!("{:?}", call.await.unwrap());
     let rows = count_sql(&env, "SELECT 1 FROM loose_orders").await;
     assert!(

@@ -205,12 +205,7 @@ async fn attack46_guard_refuses_every_index_that_does_not_make_the_key_unique() 
 /// migration 17.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn found_concurrent_ddl_lets_a_duplicate_in() {
-    let env = env46(8).await;
-    env.conn()
-        .await
-        .batch_execute("CREATE UNIQUE INDEX k ON loose_orders (request_id)")
-        .await
-        .unwrap();
+    let env = unique_k(8).await;
     let barrier = Arc::new(Barrier::new(9));
     let mut tasks = Vec::new();
     for racer in 0..8i64 {

@@ -425,12 +425,7 @@ async fn attack46_a_dropped_idempotent_call_holds_nothing() {
 /// eleven `Existing` with the creator's row, one row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn attack46_racers_with_their_own_ids_meet_on_the_key() {
-    let env = env46(8).await;
-    env.conn()
-        .await
-        .batch_execute("CREATE UNIQUE INDEX k ON loose_orders (request_id)")
-        .await
-        .unwrap();
+    let env = unique_k(8).await;
     for (n, isolation) in LEVELS.into_iter().enumerate() {
         let key = format!("own-ids-{n}");
         let barrier = Arc::new(Barrier::new(12));

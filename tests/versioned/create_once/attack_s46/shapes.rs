@@ -426,12 +426,7 @@ async fn attack46_the_same_key_twice_in_one_transaction() {
 /// never missing, so every answer is `Created` then `Existing`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn attack46_reindex_concurrently_under_load() {
-    let env = env46(8).await;
-    env.conn()
-        .await
-        .batch_execute("CREATE UNIQUE INDEX k ON loose_orders (request_id)")
-        .await
-        .unwrap();
+    let env = unique_k(8).await;
     let tasks: Vec<_> = (0..6i64)
         .map(|t| {
             let pool = env.pool.clone();
