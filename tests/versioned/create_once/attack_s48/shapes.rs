@@ -224,16 +224,7 @@ async fn found_a_default_the_role_may_not_execute_refuses_every_create() {
     .await;
     let role = format!("app48_{}", env.db.name());
     let mut admin = env.conn().await;
-    admin
-        .batch_execute(&format!(
-            "CREATE ROLE {role}; GRANT SELECT, INSERT ON p48_orders TO {role}"
-        ))
-        .await
-        .unwrap();
-    let mut conn = env.conn().await;
-    conn.batch_execute(&format!("SET ROLE {role}"))
-        .await
-        .unwrap();
+    let mut conn = as_role(&env, &role, "SELECT, INSERT").await;
     let plain = conn
         .batch_execute("INSERT INTO p48_orders VALUES (1, 1, 'plain', 5, 0)")
         .await;
@@ -268,16 +259,7 @@ async fn attack48_check_create_once_needs_insert_on_the_key_columns() {
     let env = env48(1, P48_TABLE).await;
     let role = format!("chk48_{}", env.db.name());
     let mut admin = env.conn().await;
-    admin
-        .batch_execute(&format!(
-            "CREATE ROLE {role}; GRANT SELECT ON p48_orders TO {role}"
-        ))
-        .await
-        .unwrap();
-    let mut conn = env.conn().await;
-    conn.batch_execute(&format!("SET ROLE {role}"))
-        .await
-        .unwrap();
+    let mut conn = as_role(&env, &role, "SELECT").await;
     let denied = idem::versioned::check_create_once::<P48Order>(&mut conn).await;
     admin
         .batch_execute(&format!(
@@ -340,4 +322,16 @@ async fn found_a_partitions_deferrable_constraint_is_untyped() {
         consistent,
         "check: {check:?}; tenant 1: {one:?}; tenant 2: {two:?}; rows {rows:?}"
     );
+}
+
+/// A connection acting as a new role `role` that may do `grants` on
+/// `p48_orders` (and nothing else the test did not grant).
+async fn as_role(env: &Env, role: &str, grants: &str) -> AsyncPgConnection {
+    let grant = format!("CREATE ROLE {role}; GRANT {grants} ON p48_orders TO {role}");
+    env.conn().await.batch_execute(&grant).await.unwrap();
+    let mut conn = env.conn().await;
+    conn.batch_execute(&format!("SET ROLE {role}"))
+        .await
+        .unwrap();
+    conn
 }
