@@ -11,7 +11,11 @@
 //! statement is cancelled at once (a long one stops; one already done is
 //! not touched), the driver reads its answer, and only then is the write
 //! refused and the connection closed, with the wire's marks saying whether
-//! it committed.
+//! it committed. A cancel that cannot reach the server (refused, or lost)
+//! leaves the write waiting as long as the statement runs: idem's own end
+//! does not wait on it (it reads the wire within `commit_timeout_ms`, then
+//! gives the connection up, the statement counted as committed), but a
+//! body awaiting that write does.
 
 use std::sync::atomic::Ordering;
 
