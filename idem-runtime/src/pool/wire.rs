@@ -82,9 +82,6 @@ pub(crate) struct Wire {
     session_statements: bool,
     /// Cancels a statement running behind the body's end (see [`stop`]).
     stopper: stop::Stopper,
-    /// That cancel was sent: once per connection, which the seal then
-    /// closes.
-    stop_sent: AtomicBool,
 }
 
 /// Counts of transaction control on a connection: compared before and after
@@ -181,6 +178,13 @@ struct State {
     sent: VecDeque<Sent>,
     /// A `ROLLBACK` tag in the request being answered.
     rolled_back: bool,
+    /// The request being answered is a `COPY .. FROM STDIN` waiting for
+    /// data the client has not sent (see [`Wire::unanswered_may_commit`]).
+    copy_in: bool,
+    /// `ReadyForQuery` messages so far: which request is being answered.
+    answers: u64,
+    /// The seal's wait for a statement behind the body's end (see [`stop`]).
+    stop: Option<stop::Stop>,
     /// When the last `ReadyForQuery` arrived.
     answered: Option<Instant>,
     /// What rides on the next request.
@@ -417,6 +421,10 @@ impl Wire {
         // backend, a shutdown): nothing sent after it runs, so the
         // transaction is over, before the socket's end is even read.
         state.closed |= fatal;
+        // What ran outside a block in this request shares its implicit
+        // transaction with the statement that failed: rolled back with it
+        // (one an explicit `COMMIT` ended first is counted at its tag).
+        state.autocommitted = false;
         if loses_statements(&code) {
             state.forget_prepared();
             state.losses += 1;
@@ -454,6 +462,8 @@ impl Wire {
         // one statement, with `ROLLBACK TO SAVEPOINT`'s tag and no idle
         // status between: told apart by its text, it counts as a begin.
         let chained = state.sent.pop_front().is_some_and(|s| s.chained);
+        state.answers += 1;
+        state.copy_in = false;
         if std::mem::take(&mut state.rolled_back) && chained && status != b'I' {
             state.marks.begins += 1;
         }
@@ -485,6 +495,11 @@ impl Wire {
         }
         drop(state);
         self.answered.notify_waiters();
+    }
+
+    /// A `CopyInResponse`: the server waits for the request's data.
+    fn on_copy_in(&self) {
+        self.state().copy_in = true;
     }
 
     fn on_complete(&self, tag: &[u8]) {

@@ -7,19 +7,25 @@
 //! connection would leave its outcome unread: idem would have to count it as
 //! committed, and the cancel it sends to stop a long one (see
 //! `Tx::cancel_and_discard`) would race it unseen, aborting it now and then
-//! while the key stayed held over nothing. So the refusal waits: the
-//! statement is cancelled at once (a long one stops; one already done is
-//! not touched), the driver reads its answer, and only then is the write
-//! refused and the connection closed, with the wire's marks saying whether
-//! it committed. A cancel that cannot reach the server (refused, or lost)
-//! leaves the write waiting as long as the statement runs: idem's own end
-//! does not wait on it (it reads the wire within `commit_timeout_ms`, then
-//! gives the connection up, the statement counted as committed), but a
-//! body awaiting that write does.
+//! while the key stayed held over nothing. So the refusal waits, up to
+//! [`STOP_WAIT`]: the request the server is running is cancelled (each
+//! request once, as it comes to the front: one still in idem's transaction
+//! ahead of the end too, which the end rolls back anyway), the driver reads
+//! the answers, and only then is the write refused and the connection
+//! closed, with the wire's marks saying whether the statement committed.
+//! A request that outlasts the wait (a cancel that cannot reach the server,
+//! a deferred check that ignores it, a `COPY .. FROM STDIN` waiting for the
+//! data the seal holds back) is left to the close, and counts as committed
+//! unless it was that `COPY`.
 
-use std::sync::atomic::Ordering;
+use std::task::Waker;
+use std::time::{Duration, Instant};
 
 use super::Wire;
+
+/// How long the seal's refusal waits for the requests ahead of it once it
+/// cancelled them: a backend stops at a cancel within milliseconds.
+const STOP_WAIT: Duration = Duration::from_secs(1);
 
 /// The cancel token of the connection a wire watches, when a cancel can
 /// reach its backend (no transaction pooler in between, see
@@ -39,6 +45,14 @@ impl std::fmt::Debug for Stopper {
     }
 }
 
+/// The seal's wait, from the first refusal that began it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Stop {
+    since: Instant,
+    /// The request (counted by the answers before it) last cancelled.
+    cancelled: Option<u64>,
+}
+
 impl Wire {
     /// `token` cancels what this wire's backend runs: a statement the body
     /// sent behind its own end is stopped and read before the seal closes
@@ -48,21 +62,42 @@ impl Wire {
         let _ = self.stopper.token.set(token);
     }
 
-    /// At a write the seal refuses: whether to hold it back until the
-    /// answers come in, a statement that may commit on its own still
-    /// running behind the body's end (cancelled now, once).
-    pub(super) fn stops_behind_end(&self) -> bool {
-        let Some(token) = self.stopper.token.get() else {
+    /// At a write the seal refuses: whether to hold it back, a statement
+    /// that may commit on its own still unanswered behind the body's end
+    /// (the request the server runs is cancelled, once). `waker` is woken
+    /// when the wait runs out.
+    pub(super) fn stops_behind_end(&self, waker: &Waker) -> bool {
+        let (Some(token), Ok(runtime)) = (
+            self.stopper.token.get(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
             return false;
         };
-        if self.closed() || !self.unanswered_may_commit() {
+        let mut state = self.state();
+        if state.closed || state.copy_in || !state.may_commit() {
             return false;
         }
-        // A cancel that comes after the statement ended finds its backend
-        // idle (and is ignored there) or reading this connection's end:
-        // nothing else is written on it, the seal holding all but a lone
-        // `ROLLBACK`, which writes nothing.
-        if !self.stop_sent.swap(true, Ordering::AcqRel) {
+        let (now, front) = (Instant::now(), state.answers);
+        let stop = state.stop.get_or_insert_with(|| {
+            let waker = waker.clone();
+            runtime.spawn(async move {
+                tokio::time::sleep(STOP_WAIT).await;
+                waker.wake();
+            });
+            Stop {
+                since: now,
+                cancelled: None,
+            }
+        });
+        if now.saturating_duration_since(stop.since) >= STOP_WAIT {
+            return false;
+        }
+        if stop.cancelled != Some(front) {
+            stop.cancelled = Some(front);
+            // One that comes after its request ended finds the backend
+            // idle (ignored there), closing, or running the next request
+            // of this wait's, which it is meant for anyway: the seal lets
+            // nothing else out but a lone `ROLLBACK`, which writes nothing.
             crate::pool::cancel(token.clone());
         }
         true

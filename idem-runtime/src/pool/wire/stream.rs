@@ -74,6 +74,7 @@ impl<S> Observed<S> {
                 b'D' => wire.on_row(body),
                 b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), fatal(body)),
                 b'C' => wire.on_complete(body.strip_suffix(&[0]).unwrap_or(body)),
+                b'G' => wire.on_copy_in(),
                 _ => {}
             },
             |kind| wire.strips(kind),
@@ -308,7 +309,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
             }
             // So too, once cancelled, a statement behind the body's end
             // that may commit on its own (see `stop`).
-            if this.wire.stops_behind_end() {
+            if this.wire.stops_behind_end(cx.waker()) {
                 return Poll::Pending;
             }
             this.wire.on_sealed(buf == LONE_COMMIT);

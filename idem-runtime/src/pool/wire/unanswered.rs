@@ -4,7 +4,22 @@
 
 use std::time::Duration;
 
-use super::Wire;
+use super::{State, Wire};
+
+impl State {
+    /// See [`Wire::unanswered_may_commit`].
+    pub(super) fn may_commit(&self) -> bool {
+        if self.closed && self.copy_in {
+            return false;
+        }
+        let mut outside = self.outside;
+        self.sent.iter().any(|sent| {
+            let commits = sent.commit || outside && !sent.rollback_only;
+            outside |= sent.ends && !sent.chained;
+            commits
+        })
+    }
+}
 
 impl Wire {
     /// Wait up to `within` for every request sent to be answered (or the
@@ -25,14 +40,13 @@ impl Wire {
     /// that runs anything but a `ROLLBACK` after the transaction ended (an
     /// `INSERT` pipelined behind a body's `ROLLBACK`), which commits on its
     /// own.
+    ///
+    /// Not once the connection closed while the server waited for a `COPY
+    /// .. FROM STDIN`'s data: it never got it, so that request, with what
+    /// ran in its implicit transaction, rolled back, and nothing behind it
+    /// ran.
     pub(crate) fn unanswered_may_commit(&self) -> bool {
-        let state = self.state();
-        let mut outside = state.outside;
-        state.sent.iter().any(|sent| {
-            let commits = sent.commit || outside && !sent.rollback_only;
-            outside |= sent.ends && !sent.chained;
-            commits
-        })
+        self.state().may_commit()
     }
 
     /// Whether a request still unanswered ends the transaction, other than
