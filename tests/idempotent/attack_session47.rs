@@ -13,44 +13,6 @@ use super::kit::*;
 use super::*;
 use tokio::sync::Notify;
 
-/// What one call did: its answer, how long it took, n1/n2/n3 and the
-/// record's state.
-struct Seen {
-    ans: String,
-    took: Duration,
-    ns: (i64, i64, i64),
-    rec: Option<String>,
-}
-
-/// One call in a task of its own, given up after `cap` (answer `HUNG`),
-/// then `settle_ms` for background holds to land.
-#[rustfmt::skip]
-async fn probe(env: &Env, pool: &Pool, v: V, key: &str, q: (&'static [A], u8), cap: Duration,
-    settle_ms: u64) -> Seen {
-    let ((p, k), (steps, end)) = ((pool.clone(), key.to_owned()), q);
-    let t0 = Instant::now();
-    let task = tokio::spawn(async move {
-        tokio::time::timeout(cap, one(&p, v, &k, &Q { steps, end }, None)).await
-            .unwrap_or_else(|_| "HUNG".to_owned())
-    });
-    let ans = task.await.unwrap_or_else(|_| "task panicked".into());
-    let took = t0.elapsed();
-    tokio::time::sleep(Duration::from_millis(settle_ms)).await;
-    let ns = (n_of(env, key, 1).await, n_of(env, key, 2).await, n_of(env, key, 3).await);
-    let rec = env.record(key).await.map(|r| r.0);
-    let ans: String = ans.chars().take(90).collect();
-    eprintln!("  {key} {v:?} {steps:?} end {end}: {ans} in {took:?}; n {ns:?} rec {rec:?}");
-    Seen { ans, took, ns, rec }
-}
-
-/// The key repeated once (`EMPTY`, local mode): the effects it added.
-async fn repeat_adds(env: &Env, key: &str) -> i64 {
-    let before = env.effects(key).await;
-    let r = Notify::new();
-    let _ = tokio::time::timeout(TEN, call(&env.pool, V::Rc, key, &EMPTY, &r)).await;
-    env.effects(key).await - before
-}
-
 /// `ROLLBACK`, then a `COPY .. FROM STDIN`: the server waits for data the
 /// seal will not let out, and a cancel does not reach a backend waiting
 /// for `COPY` data (PostgreSQL serves it only once data or the end come).
@@ -293,11 +255,13 @@ async fn attack47_late_writes_behind_every_end() {
 /// A write committed in the same request before the part the cancel
 /// reaches (an explicit `COMMIT` after `ROLLBACK` or `ROLLBACK AND CHAIN`),
 /// or one whose deferred check ignores the cancel and commits after the
-/// call answered: each is held, and the repeat is refused.
+/// call answered: each is held, and the repeat is refused (behind a
+/// transaction pooler the stubborn one may die with the client instead).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack47_a_write_committed_behind_the_end_is_held() {
     let env = env(2).await;
     env.client.batch_execute(STUBBORN).await.expect("stubborn");
+    let pooled = env.db.via().is_transaction_pooling();
     #[rustfmt::skip]
     let cases: [&'static [A]; 3] = [&[Q(COMMITTED_THEN_SLEEP), Q(N3)], &[Q(CHAIN_COMMITTED_THEN_SLEEP), Q(N3)],
         &[Q(STUB_6S), Q(N3)]];
@@ -311,7 +275,11 @@ async fn attack47_a_write_committed_behind_the_end_is_held() {
             "{key} {steps:?}: {} in {:?}, n {:?} stubc {stub}",
             s.ans, s.took, s.ns
         );
-        if s.ns.0 + s.ns.2 != 0 || s.ns.1 + stub != 1 || s.rec.is_none() {
+        // Behind a transaction pooler no cancel is sent and the refusal
+        // closes at once: the stubborn write may die with the client (the
+        // server's `client_connection_check_interval`), held all the same.
+        let lost = pooled && i == 2 && s.ns.1 + stub == 0;
+        if s.ns.0 + s.ns.2 != 0 || s.ns.1 + stub != 1 && !lost || s.rec.is_none() {
             bad.push(format!("{what}: record {:?}", s.rec));
         }
         if repeat_adds(&env, &key).await != 0 {

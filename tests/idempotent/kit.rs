@@ -502,3 +502,41 @@ pub(super) async fn spawned_calls(
     settle_holds(env, p, 2000).await;
     out
 }
+
+/// What one call did: its answer, how long it took, n1/n2/n3 and the
+/// record's state.
+pub(super) struct Seen {
+    pub(super) ans: String,
+    pub(super) took: Duration,
+    pub(super) ns: (i64, i64, i64),
+    pub(super) rec: Option<String>,
+}
+
+/// One call in a task of its own, given up after `cap` (answer `HUNG`),
+/// then `settle_ms` for background holds to land.
+#[rustfmt::skip]
+pub(super) async fn probe(env: &Env, pool: &Pool, v: V, key: &str, q: (&'static [A], u8), cap: Duration,
+    settle_ms: u64) -> Seen {
+    let ((p, k), (steps, end)) = ((pool.clone(), key.to_owned()), q);
+    let t0 = Instant::now();
+    let task = tokio::spawn(async move {
+        tokio::time::timeout(cap, one(&p, v, &k, &Q { steps, end }, None)).await
+            .unwrap_or_else(|_| "HUNG".to_owned())
+    });
+    let ans = task.await.unwrap_or_else(|_| "task panicked".into());
+    let took = t0.elapsed();
+    tokio::time::sleep(Duration::from_millis(settle_ms)).await;
+    let ns = (n_of(env, key, 1).await, n_of(env, key, 2).await, n_of(env, key, 3).await);
+    let rec = env.record(key).await.map(|r| r.0);
+    let ans: String = ans.chars().take(90).collect();
+    eprintln!("  {key} {v:?} {steps:?} end {end}: {ans} in {took:?}; n {ns:?} rec {rec:?}");
+    Seen { ans, took, ns, rec }
+}
+
+/// The key repeated once (`EMPTY`, local mode): the effects it added.
+pub(super) async fn repeat_adds(env: &Env, key: &str) -> i64 {
+    let before = env.effects(key).await;
+    let r = Notify::new();
+    let _ = tokio::time::timeout(TEN, call(&env.pool, V::Rc, key, &EMPTY, &r)).await;
+    env.effects(key).await - before
+}

@@ -43,6 +43,7 @@ mod attack_session44;
 mod attack_session45;
 mod attack_session46;
 mod attack_session47;
+mod attack_session48;
 mod attack_swap;
 mod attack_third;
 mod attack_unanswered;

@@ -513,6 +513,11 @@ impl Wire {
         }
         match tag {
             b"ROLLBACK" => {
+                // It rolls back the implicit transaction of what ran outside
+                // a block before it in the request (a `ROLLBACK TO
+                // SAVEPOINT` in an explicit one: a `COMMIT` tag after it
+                // counts that).
+                state.autocommitted = false;
                 state.rollbacks += 1;
                 state.outside = true;
                 state.rolled_back = true;

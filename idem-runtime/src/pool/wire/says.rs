@@ -8,13 +8,13 @@
 /// What the statements of a request may do to the transaction.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Says {
-    /// A statement names `CHAIN` (see [`names_chain`]).
+    /// A statement ends in `AND CHAIN` (see [`chains`]).
     pub(crate) chain: bool,
     /// A statement may commit the transaction: one whose
     /// first word, past blanks and comments, is `COMMIT`, `END` or `PREPARE`
     /// (`PREPARE TRANSACTION`; `PREPARE name AS ..` reads as said too); or any
-    /// statement after a `ROLLBACK` (or `ABORT`) without `CHAIN` in the same
-    /// text, which runs outside any transaction and commits on its own.
+    /// statement after a `ROLLBACK` (or `ABORT`) without `AND CHAIN` in the
+    /// same text, which runs outside any transaction and commits on its own.
     /// Statements are told apart at each `;` outside comments, literals and
     /// quoted names, found as PostgreSQL's lexer finds them: `--` to the end of
     /// the line (`\n` or `\r`), nested `/* .. */`, `'..'` (with `''`), `E'..'`
@@ -49,7 +49,7 @@ impl Says {
         // both readings are made, and each errs towards what may write.
         let (plain, escaped) = (Reading::of(text, false), Reading::of(text, true));
         Says {
-            chain: names_chain(text),
+            chain: plain.chain || escaped.chain,
             commit: plain.commit || escaped.commit,
             commit_end: plain.commit_end || escaped.commit_end,
             ends: plain.ends || escaped.ends,
@@ -75,17 +75,43 @@ impl std::ops::BitOrAssign for Says {
     }
 }
 
-/// Whether a statement's text holds the word `chain`, in any case: what
-/// `ROLLBACK AND CHAIN` (or `ABORT AND CHAIN`) must say, and what a
-/// `ROLLBACK TO SAVEPOINT` of the same tag does not, unless a name in the
-/// same request says it too (then a savepoint's rollback is taken for the
-/// transaction's end: the call fails, nothing commits).
-fn names_chain(text: &[u8]) -> bool {
-    text.windows(5).any(|w| w.eq_ignore_ascii_case(b"chain"))
+/// Whether a statement ends in `AND CHAIN` (past blanks and comments, in
+/// any case): `COMMIT AND CHAIN`, or a `ROLLBACK AND CHAIN` (`ABORT ..`),
+/// which ends the transaction and begins the next. Not `AND NO CHAIN`, which
+/// ends it for good (what follows runs outside any transaction), nor a
+/// `ROLLBACK TO SAVEPOINT` (of the same tag), whatever its name.
+fn chains(statement: &[u8]) -> bool {
+    let (mut last, mut before) = (&[][..], &[][..]);
+    for word in words(statement) {
+        (before, last) = (last, word);
+    }
+    before.eq_ignore_ascii_case(b"and") && last.eq_ignore_ascii_case(b"chain")
+}
+
+/// The words of a statement, past blanks and comments: names and keywords
+/// (a quoted name or a literal is skipped whole, and counts as no word).
+fn words(statement: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut at = 0;
+    std::iter::from_fn(move || loop {
+        at = past_blanks_and_comments(statement, at);
+        let start = at;
+        match statement.get(at)? {
+            b'\'' | b'"' => at = past_quoted(statement, at, false),
+            &b if names(b) => {
+                at += statement[at..]
+                    .iter()
+                    .position(|b| !names(*b))
+                    .unwrap_or(statement.len() - at);
+                return Some(&statement[start..at]);
+            }
+            _ => at += 1,
+        }
+    })
 }
 
 /// One reading of a text's statements (see [`Says::of`]).
 struct Reading {
+    chain: bool,
     commit: bool,
     commit_end: bool,
     ends: bool,
@@ -96,6 +122,7 @@ impl Reading {
     /// `backslashes`: whether a plain literal takes backslash escapes.
     fn of(text: &[u8], backslashes: bool) -> Reading {
         let mut reading = Reading {
+            chain: false,
             commit: false,
             commit_end: false,
             ends: false,
@@ -118,7 +145,9 @@ impl Reading {
                 let prepares_a_statement = is(first, "prepare") && !is(second, "transaction");
                 reading.ends |= rollback || commits && !prepares_a_statement;
                 reading.rollback_only &= rollback;
-                outside |= rollback && !names_chain(statement);
+                let chains = chains(statement);
+                reading.chain |= chains;
+                outside |= rollback && !chains;
             }
             match semicolon {
                 Some(semicolon) => at = semicolon + 1,
@@ -155,7 +184,12 @@ fn names(b: u8) -> bool {
 /// Where the blanks and comments from `at` end.
 fn past_blanks_and_comments(text: &[u8], mut at: usize) -> usize {
     loop {
-        while text.get(at).is_some_and(u8::is_ascii_whitespace) {
+        // A vertical tab too, a blank to PostgreSQL 16 and later (an
+        // error before, where reading on costs nothing).
+        while text
+            .get(at)
+            .is_some_and(|b| b.is_ascii_whitespace() || *b == 0x0b)
+        {
             at += 1;
         }
         match text.get(at..at + 2) {
@@ -402,5 +436,32 @@ mod tests {
     fn chain_is_read_as_before() {
         assert!(Says::of(b"ROLLBACK AND CHAIN").chain);
         assert!(!Says::of(b"ROLLBACK").chain);
+    }
+
+    #[test]
+    fn only_and_chain_chains() {
+        for text in [
+            "rollback and chain",
+            "ABORT WORK AND /* c */ CHAIN -- x",
+            "COMMIT TRANSACTION AND\tCHAIN",
+            "SELECT 1; ROLLBACK AND CHAIN",
+        ] {
+            assert!(Says::of(text.as_bytes()).chain, "{text:?}");
+        }
+        // Each of these ends the transaction for good: what follows runs
+        // outside any, and commits on its own.
+        for text in [
+            "ROLLBACK AND NO CHAIN; INSERT INTO t VALUES (1)",
+            "ROLLBACK WORK AND NO CHAIN; INSERT INTO t VALUES (1)",
+            "ABORT AND NO CHAIN; INSERT INTO t VALUES (1)",
+            "ROLLBACK /* break the chain */; INSERT INTO t VALUES (1)",
+            "ROLLBACK -- chain\n; INSERT INTO t VALUES (1)",
+            "ROLLBACK;\x0bINSERT INTO t VALUES (1)",
+        ] {
+            let says = Says::of(text.as_bytes());
+            assert!(!says.chain && says.commit, "{text:?}");
+        }
+        assert!(!Says::of(b"ROLLBACK TO SAVEPOINT chain").chain);
+        assert!(!Says::of(b"ROLLBACK TO \"and\" ").chain);
     }
 }
