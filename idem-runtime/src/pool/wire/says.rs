@@ -145,7 +145,10 @@ impl Reading {
                 let prepares_a_statement = is(first, "prepare") && !is(second, "transaction");
                 reading.ends |= rollback || commits && !prepares_a_statement;
                 reading.rollback_only &= rollback;
-                let chains = chains(statement);
+                // Only an end chains: read only there (every request's text
+                // passes here), and a name elsewhere (`WHERE a AND chain`)
+                // never hides what runs after a `ROLLBACK`.
+                let chains = (rollback || commits) && chains(statement);
                 reading.chain |= chains;
                 outside |= rollback && !chains;
             }
@@ -462,6 +465,7 @@ mod tests {
             assert!(!says.chain && says.commit, "{text:?}");
         }
         assert!(!Says::of(b"ROLLBACK TO SAVEPOINT chain").chain);
+        assert!(!Says::of(b"SELECT 1 FROM t WHERE a AND chain; ROLLBACK").chain);
         assert!(!Says::of(b"ROLLBACK TO \"and\" ").chain);
     }
 }
