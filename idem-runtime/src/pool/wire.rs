@@ -183,8 +183,8 @@ struct State {
     copy_in: bool,
     /// `ReadyForQuery` messages so far: which request is being answered.
     answers: u64,
-    /// The seal's wait for a statement behind the body's end (see [`stop`]).
-    stop: Option<stop::Stop>,
+    /// The wait of a write the seal refused (see [`stop`]).
+    waits: stop::Waits,
     /// When the last `ReadyForQuery` arrived.
     answered: Option<Instant>,
     /// What rides on the next request.

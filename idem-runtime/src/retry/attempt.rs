@@ -68,6 +68,7 @@ pub struct Attempt {
 
 impl Attempt {
     pub(crate) fn begun(tx: Tx, commit_timeout: Duration) -> Attempt {
+        tx.bound_body_commit(commit_timeout);
         Attempt {
             tx: Some(tx),
             commit_timeout,
@@ -196,6 +197,7 @@ impl Attempt {
         let until = Instant::now() + lazy.budget;
         match open(&lazy.pool, lazy.isolation, until, lazy.last, opening).await {
             Ok(tx) => {
+                tx.bound_body_commit(self.commit_timeout);
                 self.tx = Some(tx);
                 Ok(())
             }

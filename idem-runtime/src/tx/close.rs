@@ -114,6 +114,18 @@ impl Tx {
         answered
     }
 
+    /// A write of the body's the seal refuses waits for a `COMMIT` the body
+    /// sent up to `timeout` from its send, as idem's own `COMMIT` is given,
+    /// then cancels it (see `Wire::bounds_commit`): never with a
+    /// synchronous standby (see [`Tx::cancel_running`]), where the
+    /// connection closes instead and the `COMMIT` counts as committed.
+    pub(crate) fn bound_body_commit(&self, timeout: Duration) {
+        if let Some(wire) = self.wire() {
+            let cancel = self.replication() != Some(Replication::Synchronous);
+            wire.bounds_commit(timeout, cancel);
+        }
+    }
+
     /// Send a cancel request for the statement the server runs for this
     /// transaction (see [`Tx::cancel_and_discard`]), the connection kept.
     pub(super) fn cancel_running(&self) {

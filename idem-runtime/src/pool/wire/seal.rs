@@ -31,7 +31,7 @@ impl Wire {
     pub(crate) fn guard(&self, begun: Option<Marks>) {
         let mut state = self.state();
         state.guard = begun;
-        state.stop = None;
+        state.waits.reset();
         self.guarded.store(begun.is_some(), Ordering::Release);
         self.reseal(&state);
     }

@@ -1,22 +1,36 @@
-//! A statement the body sent behind its own end of the transaction, still
-//! running when the seal refuses the next write: cancelled, and its answer
-//! read before the connection closes.
+//! A write the seal refused, held back while a request ahead of it is
+//! still running: a statement the body sent behind its own end of the
+//! transaction, or the body's own `COMMIT`. Cancelled when it may be, and
+//! its answer read before the connection closes.
 //!
-//! Such a statement (the `INSERT` of `ROLLBACK; INSERT ..`) runs outside
-//! idem's transaction and commits on its own. Closed at the refusal, the
-//! connection would leave its outcome unread: idem would have to count it as
-//! committed, and the cancel it sends to stop a long one (see
-//! `Tx::cancel_and_discard`) would race it unseen, aborting it now and then
-//! while the key stayed held over nothing. So the refusal waits, up to
+//! A statement behind the end (the `INSERT` of `ROLLBACK; INSERT ..`) runs
+//! outside idem's transaction and commits on its own. Closed at the
+//! refusal, the connection would leave its outcome unread: idem would have
+//! to count it as committed, and the cancel it sends to stop a long one
+//! (see `Tx::cancel_and_discard`) would race it unseen, aborting it now and
+//! then while the key stayed held over nothing. So the refusal waits, up to
 //! [`STOP_WAIT`]: the request the server is running is cancelled (each
 //! request once, as it comes to the front: one still in idem's transaction
 //! ahead of the end too, which the end rolls back anyway), the driver reads
 //! the answers, and only then is the write refused and the connection
 //! closed, with the wire's marks saying whether the statement committed.
+//!
+//! The body's own `COMMIT` (or `END`, `PREPARE TRANSACTION`) is given the
+//! attempt's `commit_timeout_ms` first, counted from when it was sent, as
+//! idem's own is (see [`Wire::bounds_commit`]): a deferred check may take
+//! that long, and closed earlier, the `COMMIT` would be left to run or be
+//! lost, unknown. Past it, it is cancelled and read as above; never with a
+//! synchronous standby, where a cancel turns the wait for the standby into
+//! a local commit, visible and not replicated: the write is refused then,
+//! the connection closed, and the `COMMIT` counts as committed. A
+//! cancelled `COMMIT` is waited for as long again, as `Tx::cancel_and_read`
+//! waits for one once the body returned.
+//!
 //! A request that outlasts the wait (a cancel that cannot reach the server,
-//! a deferred check that ignores it, a `COPY .. FROM STDIN` waiting for the
-//! data the seal holds back) is left to the close, and counts as committed
-//! unless it was that `COPY`.
+//! a deferred check that ignores it) is left to the close, and counts as
+//! committed. A `COPY .. FROM STDIN` waiting for the data the seal holds
+//! back ends the wait at once: the backend ignores a cancel there, and
+//! closed, nothing of it or behind it runs.
 
 use std::task::Waker;
 use std::time::{Duration, Instant};
@@ -45,10 +59,41 @@ impl std::fmt::Debug for Stopper {
     }
 }
 
-/// The seal's wait, from the first refusal that began it.
+/// The refused write's wait (see the module docs), reset with the guard.
+#[derive(Debug, Default)]
+pub(super) struct Waits {
+    /// How long the body's own `COMMIT` may hold a refused write back, and
+    /// whether it may be cancelled then: the attempt's (see
+    /// [`Wire::bounds_commit`]). Without one, the write waits for its
+    /// answer.
+    bound: Option<CommitBound>,
+    /// The wait once the first cancel went out.
+    stop: Option<Stop>,
+    /// When the timer set last wakes the refused write.
+    timer: Option<Instant>,
+}
+
+impl Waits {
+    /// A new transaction is guarded: its waits start afresh, under the same
+    /// attempt's bound.
+    pub(super) fn reset(&mut self) {
+        self.stop = None;
+        self.timer = None;
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Stop {
+struct CommitBound {
+    timeout: Duration,
+    cancel: bool,
+}
+
+/// The wait from the first cancel.
+#[derive(Debug, Clone, Copy)]
+struct Stop {
     since: Instant,
+    /// How long the cancelled requests are waited for.
+    wait: Duration,
     /// The request (counted by the answers before it) last cancelled.
     cancelled: Option<u64>,
 }
@@ -62,38 +107,59 @@ impl Wire {
         let _ = self.stopper.token.set(token);
     }
 
-    /// At a write the seal refuses: whether to hold it back, a statement
-    /// that may commit on its own still unanswered behind the body's end
-    /// (the request the server runs is cancelled, once). `waker` is woken
-    /// when the wait runs out.
-    pub(super) fn stops_behind_end(&self, waker: &Waker) -> bool {
-        let (Some(token), Ok(runtime)) = (
-            self.stopper.token.get(),
-            tokio::runtime::Handle::try_current(),
-        ) else {
-            return false;
-        };
+    /// An attempt's: a refused write waits up to `timeout` from its send
+    /// for a `COMMIT` of the body's, then cancels it when `cancel` (not
+    /// with a synchronous standby), or closes the connection at once.
+    pub(crate) fn bounds_commit(&self, timeout: Duration, cancel: bool) {
+        self.state().waits.bound = Some(CommitBound { timeout, cancel });
+    }
+
+    /// At a write the seal refuses: whether to hold it back, a request
+    /// still running ahead of it that may commit (see the module docs).
+    /// `waker` is woken when the wait runs out.
+    pub(super) fn holds_refused(&self, waker: &Waker) -> bool {
         let mut state = self.state();
-        if state.closed || state.copy_in || !state.may_commit() {
+        if state.closed || state.copy_in {
             return false;
         }
-        let (now, front) = (Instant::now(), state.answers);
-        let stop = state.stop.get_or_insert_with(|| {
-            let waker = waker.clone();
-            runtime.spawn(async move {
-                tokio::time::sleep(STOP_WAIT).await;
-                waker.wake();
-            });
-            Stop {
-                since: now,
-                cancelled: None,
+        let now = Instant::now();
+        let commit = state.sent.iter().find(|sent| sent.commit_end).map(|s| s.at);
+        let mut wait = STOP_WAIT;
+        if let Some(sent) = commit {
+            let Some(bound) = state.waits.bound else {
+                return true;
+            };
+            let due = sent + bound.timeout;
+            if now < due {
+                return wake_at(&mut state.waits, due, waker);
             }
+            if !bound.cancel {
+                return false;
+            }
+            // Cancelled, read for as long again, as `Tx::cancel_and_read`
+            // reads a `COMMIT` of the body's once it returned.
+            wait = bound.timeout;
+        } else if !state.may_commit() {
+            return false;
+        }
+        let Some(token) = self.stopper.token.get() else {
+            return false;
+        };
+        let front = state.answers;
+        let stop = *state.waits.stop.get_or_insert(Stop {
+            since: now,
+            wait,
+            cancelled: None,
         });
-        if now.saturating_duration_since(stop.since) >= STOP_WAIT {
+        let until = stop.since + stop.wait;
+        if now >= until || !wake_at(&mut state.waits, until, waker) {
             return false;
         }
         if stop.cancelled != Some(front) {
-            stop.cancelled = Some(front);
+            state.waits.stop = Some(Stop {
+                cancelled: Some(front),
+                ..stop
+            });
             // One that comes after its request ended finds the backend
             // idle (ignored there), closing, or running the next request
             // of this wait's, which it is meant for anyway: the seal lets
@@ -102,4 +168,22 @@ impl Wire {
         }
         true
     }
+}
+
+/// Wake the refused write at `at`, once per instant: false outside a
+/// runtime, where no timer can be set (the write is refused at once).
+fn wake_at(waits: &mut Waits, at: Instant, waker: &Waker) -> bool {
+    if waits.timer == Some(at) {
+        return true;
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return false;
+    };
+    waits.timer = Some(at);
+    let waker = waker.clone();
+    runtime.spawn(async move {
+        tokio::time::sleep_until(at.into()).await;
+        waker.wake();
+    });
+    true
 }

@@ -300,16 +300,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
             return Poll::Ready(Err(severed()));
         }
         if this.wire.sealed() && buf != LONE_ROLLBACK {
-            // Refused once a commit in flight is answered: closed now, the
-            // connection would leave it (a `COMMIT` the body queued) to be
-            // run or lost, unknown. The driver reads on meanwhile, and
-            // polls this write again after each answer.
-            if this.wire.commit_in_flight() {
-                return Poll::Pending;
-            }
-            // So too, once cancelled, a statement behind the body's end
-            // that may commit on its own (see `stop`).
-            if this.wire.stops_behind_end(cx.waker()) {
+            // Refused once what runs ahead of it that may commit is
+            // answered (a `COMMIT` the body queued, a statement behind its
+            // end), within bounds: closed now, the connection would leave
+            // it to run or be lost, unknown (see `stop`). The driver reads
+            // on meanwhile, and polls this write again after each answer.
+            if this.wire.holds_refused(cx.waker()) {
                 return Poll::Pending;
             }
             this.wire.on_sealed(buf == LONE_COMMIT);
