@@ -233,8 +233,9 @@ const STUB: &str = "SELECT count(*) FROM stubc WHERE tag = $1";
 /// up to `commit_timeout_ms` from its send, then cancels it (wire/stop.rs):
 /// the 8 s check is aborted, nothing committed, the key left free; a check
 /// done within the bound is read (committed: held; failed: free). Behind a
-/// transaction pooler, where no cancel is sent, the connection closes at the
-/// bound and the unanswered `COMMIT` counts as committed (held).
+/// transaction pooler, where no cancel is sent, the write waits as long
+/// again, then the connection closes and the unanswered `COMMIT` counts as
+/// committed (held).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_a_slow_commit_the_body_queued_holds_its_next_write_unbounded() {
     let env = env_slow(2).await;
@@ -256,10 +257,11 @@ async fn found_a_slow_commit_the_body_queued_holds_its_next_write_unbounded() {
             "{key} {steps:?}: {} in {:?} n {:?} rec {:?}",
             s.ans, s.took, s.ns, s.rec
         );
-        if s.took > Duration::from_millis(4500) {
-            bad.push(format!(
-                "{what}: answered past commit_timeout_ms (3 s) + 1.5 s"
-            ));
+        // Cancelled at 3 s, answered at once; behind a pooler waited for
+        // 3 s more, then closed.
+        let limit = Duration::from_millis(if pooled { 6500 } else { 4500 });
+        if s.took > limit {
+            bad.push(format!("{what}: answered past {limit:?}"));
         }
         if s.ns.1 + s.ns.2 != 0 || n1.is_some_and(|n1| s.ns.0 != n1) {
             bad.push(format!("{what}: expected n1 = {n1:?} alone"));

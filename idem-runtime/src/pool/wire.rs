@@ -138,7 +138,7 @@ struct Sent {
     /// Whether a statement it runs may commit (see
     /// [`Wire::unanswered_may_commit`]).
     commit: bool,
-    /// Whether its end itself may commit (see [`Wire::commit_in_flight`]).
+    /// Whether its end itself may commit (see [`Wire::commit_unanswered`]).
     commit_end: bool,
     /// Whether a statement it runs ends the transaction (see
     /// [`Wire::guard`]).

@@ -116,9 +116,9 @@ impl Tx {
 
     /// A write of the body's the seal refuses waits for a `COMMIT` the body
     /// sent up to `timeout` from its send, as idem's own `COMMIT` is given,
-    /// then cancels it (see `Wire::bounds_commit`): never with a
-    /// synchronous standby (see [`Tx::cancel_running`]), where the
-    /// connection closes instead and the `COMMIT` counts as committed.
+    /// then cancels it and waits as long again (see `Wire::bounds_commit`):
+    /// never cancelled with a synchronous standby (see
+    /// [`Tx::cancel_running`]), only waited for.
     pub(crate) fn bound_body_commit(&self, timeout: Duration) {
         if let Some(wire) = self.wire() {
             let cancel = self.replication() != Some(Replication::Synchronous);
@@ -140,9 +140,10 @@ impl Tx {
         // A cancel would turn a `COMMIT`'s wait for the synchronous standby
         // (the body's own, say) into a local commit, visible and not
         // replicated: the backend is left to wait, as `Tx::send_commit`
-        // leaves idem's own.
+        // leaves idem's own. Also once the seal closed the connection with
+        // that `COMMIT` unanswered: the backend runs it all the same.
         let waits_for_standby = self.replication() == Some(Replication::Synchronous)
-            && self.wire().is_some_and(Wire::commit_in_flight);
+            && self.wire().is_some_and(Wire::commit_unanswered);
         if let Some(conn) = self.conn.as_ref().filter(|_| !pooled && !waits_for_standby) {
             crate::pool::cancel(conn.cancel_token());
         }

@@ -318,7 +318,27 @@ impl Tx {
             AnsiTransactionManager::commit_transaction(self.conn()),
         )
         .await;
-        self.unguard();
+        let committed = match committed {
+            // It never went out: the seal holds it back behind a `COMMIT` of
+            // the body's (in a request with other statements, which nothing
+            // replaced) still running, which the seal cancels at the same
+            // bound and reads within as long again (see
+            // `Wire::holds_refused`). Its answer, not this silence, says
+            // what committed.
+            Err(elapsed) if !self.own_commit_sent(&wire) && wire.holds_writes() => {
+                let settled = wire.settled(timeout).await;
+                match settled && wire.withheld() {
+                    true => Ok(Err(diesel::result::Error::BrokenTransactionManager)),
+                    false => Err(elapsed),
+                }
+            }
+            committed => committed,
+        };
+        // Unanswered, the connection closes with its guard up: idem's
+        // `COMMIT`, if the seal still holds it, is never written.
+        if committed.is_ok() {
+            self.unguard();
+        }
         match committed {
             // The ride went out in place of a `COMMIT` the body had queued
             // (the same text, in the same write), and committed: it was

@@ -19,12 +19,11 @@
 //! attempt's `commit_timeout_ms` first, counted from when it was sent, as
 //! idem's own is (see [`Wire::bounds_commit`]): a deferred check may take
 //! that long, and closed earlier, the `COMMIT` would be left to run or be
-//! lost, unknown. Past it, it is cancelled and read as above; never with a
-//! synchronous standby, where a cancel turns the wait for the standby into
-//! a local commit, visible and not replicated: the write is refused then,
-//! the connection closed, and the `COMMIT` counts as committed. A
-//! cancelled `COMMIT` is waited for as long again, as `Tx::cancel_and_read`
-//! waits for one once the body returned.
+//! lost, unknown. Past it, it is cancelled and waited for as long again,
+//! as `Tx::cancel_and_read` waits for one once the body returned. Not
+//! cancelled with a synchronous standby, where a cancel turns the wait for
+//! the standby into a local commit, visible and not replicated, nor behind
+//! a transaction pooler: only waited for.
 //!
 //! A request that outlasts the wait (a cancel that cannot reach the server,
 //! a deferred check that ignores it) is left to the close, and counts as
@@ -109,7 +108,7 @@ impl Wire {
 
     /// An attempt's: a refused write waits up to `timeout` from its send
     /// for a `COMMIT` of the body's, then cancels it when `cancel` (not
-    /// with a synchronous standby), or closes the connection at once.
+    /// with a synchronous standby) and waits as long again.
     pub(crate) fn bounds_commit(&self, timeout: Duration, cancel: bool) {
         self.state().waits.bound = Some(CommitBound { timeout, cancel });
     }
@@ -124,27 +123,29 @@ impl Wire {
         }
         let now = Instant::now();
         let commit = state.sent.iter().find(|sent| sent.commit_end).map(|s| s.at);
-        let mut wait = STOP_WAIT;
-        if let Some(sent) = commit {
-            let Some(bound) = state.waits.bound else {
-                return true;
-            };
-            let due = sent + bound.timeout;
-            if now < due {
-                return wake_at(&mut state.waits, due, waker);
+        let (wait, cancel) = match commit {
+            Some(sent) => {
+                let Some(bound) = state.waits.bound else {
+                    return true;
+                };
+                let due = sent + bound.timeout;
+                if now < due {
+                    return wake_at(&mut state.waits, due, waker);
+                }
+                // Read for as long again, cancelled or not, as
+                // `Tx::cancel_and_read` reads a `COMMIT` of the body's once
+                // it returned: closed, a pooler would take the backend down
+                // with the client, the `COMMIT` with it, while it counted as
+                // committed.
+                (bound.timeout, bound.cancel)
             }
-            if !bound.cancel {
-                return false;
-            }
-            // Cancelled, read for as long again, as `Tx::cancel_and_read`
-            // reads a `COMMIT` of the body's once it returned.
-            wait = bound.timeout;
-        } else if !state.may_commit() {
+            None if state.may_commit() => (STOP_WAIT, true),
+            None => return false,
+        };
+        let token = self.stopper.token.get().filter(|_| cancel);
+        if token.is_none() && commit.is_none() {
             return false;
         }
-        let Some(token) = self.stopper.token.get() else {
-            return false;
-        };
         let front = state.answers;
         let stop = *state.waits.stop.get_or_insert(Stop {
             since: now,
@@ -155,7 +156,7 @@ impl Wire {
         if now >= until || !wake_at(&mut state.waits, until, waker) {
             return false;
         }
-        if stop.cancelled != Some(front) {
+        if let Some(token) = token.filter(|_| stop.cancelled != Some(front)) {
             state.waits.stop = Some(Stop {
                 cancelled: Some(front),
                 ..stop

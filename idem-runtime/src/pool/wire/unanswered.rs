@@ -59,13 +59,11 @@ impl Wire {
             .any(|sent| sent.ends && !sent.rollback_only)
     }
 
-    /// Whether a `COMMIT` (or `END`, `PREPARE`) is sent and unanswered, on
-    /// a connection still open: closed now, its outcome would be unknown.
-    /// (Not a statement after a `ROLLBACK`: it may run long, and is
-    /// cancelled.)
-    pub(crate) fn commit_in_flight(&self) -> bool {
-        let state = self.state();
-        !state.closed && state.sent.iter().any(|sent| sent.commit_end)
+    /// Whether a `COMMIT` (or `END`, `PREPARE`) is sent and unanswered:
+    /// the backend may still be running it, on a connection closed too
+    /// (the seal's close, say), and waiting for a synchronous standby.
+    pub(crate) fn commit_unanswered(&self) -> bool {
+        self.state().sent.iter().any(|sent| sent.commit_end)
     }
 
     /// Whether a request sent is unanswered on a connection still open:
