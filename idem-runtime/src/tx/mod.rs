@@ -325,7 +325,7 @@ impl Tx {
             // bound and reads within as long again (see
             // `Wire::holds_refused`). Its answer, not this silence, says
             // what committed.
-            Err(elapsed) if !self.own_commit_sent(&wire) && wire.holds_writes() => {
+            Err(elapsed) if wire.holds_a_write() => {
                 let settled = wire.settled(timeout).await;
                 match settled && wire.withheld() {
                     true => Ok(Err(diesel::result::Error::BrokenTransactionManager)),

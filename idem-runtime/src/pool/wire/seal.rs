@@ -117,12 +117,6 @@ impl Wire {
         self.on_closed();
     }
 
-    /// Whether the seal is up: the next write other than a lone `ROLLBACK`
-    /// is held back or refused (see [`Wire::guard`]).
-    pub(crate) fn holds_writes(&self) -> bool {
-        self.sealed()
-    }
-
     /// Whether the write the seal refused was a lone `COMMIT`, nothing of
     /// the body's with it.
     pub(crate) fn withheld_only_a_commit(&self) -> bool {

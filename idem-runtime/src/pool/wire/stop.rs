@@ -23,7 +23,9 @@
 //! as `Tx::cancel_and_read` waits for one once the body returned. Not
 //! cancelled with a synchronous standby, where a cancel turns the wait for
 //! the standby into a local commit, visible and not replicated, nor behind
-//! a transaction pooler: only waited for.
+//! a transaction pooler: only waited for. (Nor, with a synchronous
+//! standby, a statement behind the end, whose own commit waits for it: the
+//! refusal closes at once there, as behind a pooler.)
 //!
 //! A request that outlasts the wait (a cancel that cannot reach the server,
 //! a deferred check that ignores it) is left to the close, and counts as
@@ -34,7 +36,7 @@
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use super::Wire;
+use super::{State, Wire};
 
 /// How long the seal's refusal waits for the requests ahead of it once it
 /// cancelled them: a backend stops at a cancel within milliseconds.
@@ -62,14 +64,16 @@ impl std::fmt::Debug for Stopper {
 #[derive(Debug, Default)]
 pub(super) struct Waits {
     /// How long the body's own `COMMIT` may hold a refused write back, and
-    /// whether it may be cancelled then: the attempt's (see
-    /// [`Wire::bounds_commit`]). Without one, the write waits for its
-    /// answer.
+    /// whether what the seal waits for may be cancelled: the attempt's (see
+    /// [`Wire::bounds_commit`]). Without one, the write waits for the
+    /// `COMMIT`'s answer.
     bound: Option<CommitBound>,
     /// The wait once the first cancel went out.
     stop: Option<Stop>,
     /// When the timer set last wakes the refused write.
     timer: Option<Instant>,
+    /// A write is held back now.
+    holding: bool,
 }
 
 impl Waits {
@@ -78,6 +82,7 @@ impl Waits {
     pub(super) fn reset(&mut self) {
         self.stop = None;
         self.timer = None;
+        self.holding = false;
     }
 }
 
@@ -87,7 +92,8 @@ struct CommitBound {
     cancel: bool,
 }
 
-/// The wait from the first cancel.
+/// The wait past the body's `COMMIT`'s bound, or from the first cancel of
+/// a statement behind the end.
 #[derive(Debug, Clone, Copy)]
 struct Stop {
     since: Instant,
@@ -101,7 +107,8 @@ impl Wire {
     /// `token` cancels what this wire's backend runs: a statement the body
     /// sent behind its own end is stopped and read before the seal closes
     /// the connection (see the module docs). Not set behind a transaction
-    /// pooler, where no cancel is sent: the refusal closes at once there.
+    /// pooler, where no cancel is sent: a refusal behind such a statement
+    /// closes at once there, one behind the body's `COMMIT` only waits.
     pub(crate) fn stops_with(&self, token: tokio_postgres::CancelToken) {
         let _ = self.stopper.token.set(token);
     }
@@ -118,57 +125,75 @@ impl Wire {
     /// `waker` is woken when the wait runs out.
     pub(super) fn holds_refused(&self, waker: &Waker) -> bool {
         let mut state = self.state();
-        if state.closed || state.copy_in {
-            return false;
-        }
-        let now = Instant::now();
-        let commit = state.sent.iter().find(|sent| sent.commit_end).map(|s| s.at);
-        let (wait, cancel) = match commit {
-            Some(sent) => {
-                let Some(bound) = state.waits.bound else {
-                    return true;
-                };
-                let due = sent + bound.timeout;
-                if now < due {
-                    return wake_at(&mut state.waits, due, waker);
-                }
-                // Read for as long again, cancelled or not, as
-                // `Tx::cancel_and_read` reads a `COMMIT` of the body's once
-                // it returned: closed, a pooler would take the backend down
-                // with the client, the `COMMIT` with it, while it counted as
-                // committed.
-                (bound.timeout, bound.cancel)
-            }
-            None if state.may_commit() => (STOP_WAIT, true),
-            None => return false,
-        };
-        let token = self.stopper.token.get().filter(|_| cancel);
-        if token.is_none() && commit.is_none() {
-            return false;
-        }
-        let front = state.answers;
-        let stop = *state.waits.stop.get_or_insert(Stop {
-            since: now,
-            wait,
-            cancelled: None,
-        });
-        let until = stop.since + stop.wait;
-        if now >= until || !wake_at(&mut state.waits, until, waker) {
-            return false;
-        }
-        if let Some(token) = token.filter(|_| stop.cancelled != Some(front)) {
-            state.waits.stop = Some(Stop {
-                cancelled: Some(front),
-                ..stop
-            });
-            // One that comes after its request ended finds the backend
-            // idle (ignored there), closing, or running the next request
-            // of this wait's, which it is meant for anyway: the seal lets
-            // nothing else out but a lone `ROLLBACK`, which writes nothing.
-            crate::pool::cancel(token.clone());
-        }
-        true
+        let holds = hold(self.stopper.token.get(), &mut state, waker);
+        state.waits.holding = holds;
+        holds
     }
+
+    /// Whether the seal holds a write back now (see
+    /// [`Wire::holds_refused`]): nothing after it has gone out (idem's own
+    /// `COMMIT` behind the body's, say), and what it waits for is answered,
+    /// or cancelled and answered, within its bound.
+    pub(crate) fn holds_a_write(&self) -> bool {
+        self.state().waits.holding
+    }
+}
+
+/// See [`Wire::holds_refused`]; `token` cancels what the backend runs.
+fn hold(token: Option<&tokio_postgres::CancelToken>, state: &mut State, waker: &Waker) -> bool {
+    if state.closed || state.copy_in {
+        return false;
+    }
+    let now = Instant::now();
+    let commit = state.sent.iter().find(|sent| sent.commit_end).map(|s| s.at);
+    // Neither cancelled with a synchronous standby: a statement behind the
+    // end commits on its own, and waits for the standby too.
+    let cancel = state.waits.bound.is_none_or(|bound| bound.cancel);
+    let wait = match commit {
+        Some(sent) => {
+            let Some(bound) = state.waits.bound else {
+                return true;
+            };
+            let due = sent + bound.timeout;
+            if now < due {
+                return wake_at(&mut state.waits, due, waker);
+            }
+            // Read for as long again, cancelled or not, as
+            // `Tx::cancel_and_read` reads a `COMMIT` of the body's once it
+            // returned: closed, a pooler would take the backend down with
+            // the client, the `COMMIT` with it, while it counted as
+            // committed.
+            bound.timeout
+        }
+        None if state.may_commit() => STOP_WAIT,
+        None => return false,
+    };
+    let token = token.filter(|_| cancel);
+    if token.is_none() && commit.is_none() {
+        return false;
+    }
+    let front = state.answers;
+    let stop = *state.waits.stop.get_or_insert(Stop {
+        since: now,
+        wait,
+        cancelled: None,
+    });
+    let until = stop.since + stop.wait;
+    if now >= until || !wake_at(&mut state.waits, until, waker) {
+        return false;
+    }
+    if let Some(token) = token.filter(|_| stop.cancelled != Some(front)) {
+        state.waits.stop = Some(Stop {
+            cancelled: Some(front),
+            ..stop
+        });
+        // One that comes after its request ended finds the backend idle
+        // (ignored there), closing, or running the next request of this
+        // wait's, which it is meant for anyway: the seal lets nothing else
+        // out but a lone `ROLLBACK`, which writes nothing.
+        crate::pool::cancel(token.clone());
+    }
+    true
 }
 
 /// Wake the refused write at `at`, once per instant: false outside a
