@@ -179,3 +179,34 @@ async fn attack49_a_commit_left_running_at_the_close_holds_its_key() {
     bad.extend(hygiene(&env, &env.pool, "leftfree").await);
     verdict(&bad);
 }
+
+/// Held, `Replication::Synchronous`: a statement behind the body's end
+/// (`ROLLBACK; INSERT ..; SELECT pg_sleep(1)`, its own commit, which would
+/// wait for the standby) is not cancelled when the seal refuses the next
+/// write: the refusal closes at once, the key is held (it counts as
+/// committed), and the `INSERT` commits when its request ends (this
+/// server does not check for a closed client while it runs). With a
+/// cancel, as before, the sleep was aborted and the `INSERT` with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack49_synchronous_behind_the_end_is_not_cancelled() {
+    let env = env(2).await;
+    if env.db.via().is_transaction_pooling() {
+        return; // no cancel behind a transaction pooler either (documented)
+    }
+    let interval = "SELECT count(*) FROM pg_settings \
+                    WHERE name = 'client_connection_check_interval' AND setting <> '0'";
+    let checked = env.scalar(interval).await > 0;
+    let pool = sync_pool(&env, 2);
+    const BEHIND: &str =
+        "ROLLBACK; INSERT INTO effects (tag, n) VALUES ('{k}', 2); SELECT pg_sleep(1)";
+    let steps: &'static [A] = &[Q(BEHIND), Ms(50), W(N3)];
+    let s = probe(&env, &pool, V::Rc, "behind", (steps, PLAIN), TEN, 1500).await;
+    let what = format!("{}: in {:?} n {:?} rec {:?}", s.ans, s.took, s.ns, s.rec);
+    assert!(s.took < Duration::from_millis(900), "waited: {what}");
+    assert!(s.rec.is_some(), "not held: {what}");
+    assert_eq!(s.ns.2, 0, "{what}");
+    if !checked {
+        assert_eq!(s.ns.1, 1, "cancelled: {what}");
+    }
+    verdict(&hygiene(&env, &pool, "behind").await);
+}
