@@ -46,8 +46,22 @@ pub(super) async fn check(
     if s.ns.1 + s.ns.2 != 0 || n1.is_some_and(|n| n != s.ns.0) {
         bad.push(format!("{what}: expected n1 = {n1:?} alone"));
     }
-    let held = s.rec.is_some();
-    if s.ns.0 > 0 && !held || s.ns.0 == 0 && held && !lax {
+    bad.extend(held_iff(env, key, &what, s.ns.0, s.rec.is_some(), lax).await);
+    bad
+}
+
+/// The key held iff `committed` effects are there (`lax`: a hold over
+/// nothing allowed, documented), and its repeat runs iff it is free.
+pub(super) async fn held_iff(
+    env: &Env,
+    key: &str,
+    what: &str,
+    committed: i64,
+    held: bool,
+    lax: bool,
+) -> Vec<String> {
+    let mut bad = Vec::new();
+    if committed > 0 && !held || committed == 0 && held && !lax {
         bad.push(format!("{what}: held iff committed does not hold"));
     }
     let adds = repeat_adds(env, key).await;

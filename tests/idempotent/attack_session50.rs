@@ -3,23 +3,10 @@
 //! returned `Ok` over (`Tx::send_commit`'s wait for the seal's answer), in
 //! plain `#[retryable]` and local mode; and `Replication::Synchronous`
 //! pools with statements behind a `ROLLBACK` of the body's.
-use super::attack_session49::TWICE;
+use super::attack_session49::{held_iff, TWICE};
+use super::attack_sync_standby::sync_pool;
 use super::kit::*;
 use super::*;
-use idem::pool::Replication;
-
-fn sync_pool(env: &Env, size: usize) -> Pool {
-    build_pool_with(
-        env.db.pool_url(),
-        &PoolConfig {
-            max_size: size,
-            wait_timeout: Duration::from_secs(60),
-            replication: Replication::Synchronous,
-            ..PoolConfig::default()
-        },
-    )
-    .expect("a pool")
-}
 
 /// Whether `ans` tells the truth about `n1` (the body's effect): `Ok` or
 /// `TransactionEnded { committed: true }` over a committed effect; neither
@@ -80,14 +67,7 @@ async fn attack50_idems_commit_held_behind_a_queued_commit_answers_truly() {
             if plain(v) {
                 continue;
             }
-            let held = s.rec.is_some();
-            if held != (s.ns.0 > 0) {
-                bad.push(format!("{what}: held iff committed does not hold"));
-            }
-            let adds = repeat_adds(&env, &key).await;
-            if adds != i64::from(!held) {
-                bad.push(format!("{what}: the repeat added {adds}"));
-            }
+            bad.extend(held_iff(&env, &key, &what, s.ns.0, s.rec.is_some(), false).await);
         }
     }
     bad.extend(hygiene(&env, &env.pool, "held50").await);
@@ -162,14 +142,7 @@ async fn attack50_synchronous_statements_behind_a_rollback() {
             if plain(v) {
                 continue;
             }
-            let held = rec.is_some();
-            if n2 > 0 && !held || n2 == 0 && held && !lax {
-                bad.push(format!("{what}: held iff committed does not hold"));
-            }
-            let adds = repeat_adds(&env, &key).await;
-            if adds != i64::from(!held) {
-                bad.push(format!("{what}: the repeat added {adds}"));
-            }
+            bad.extend(held_iff(&env, &key, &what, n2, rec.is_some(), lax).await);
         }
     }
     bad.extend(hygiene(&env, &pool, "syncrb").await);
@@ -231,14 +204,7 @@ async fn attack50_synchronous_body_commit_then_an_error_or_a_drop() {
         if plain(v) {
             continue;
         }
-        let held = rec.is_some();
-        if n1 > 0 && !held || n1 == 0 && held && !lax {
-            bad.push(format!("{what}: held iff committed does not hold"));
-        }
-        let adds = repeat_adds(&env, &key).await;
-        if adds != i64::from(!held) {
-            bad.push(format!("{what}: the repeat added {adds}"));
-        }
+        bad.extend(held_iff(&env, &key, &what, n1, rec.is_some(), lax).await);
     }
     bad.extend(hygiene(&env, &pool, "syncerr").await);
     verdict(&bad);
@@ -364,14 +330,7 @@ async fn attack50_body_sleeps_past_the_bound_after_its_commit() {
         if s.ans.starts_with("Ok(") || (n1 > 0 && s.ans.contains("committed: false")) {
             bad.push(format!("{what}: the answer is untrue to n1"));
         }
-        let held = rec.is_some();
-        if n1 > 0 && !held || n1 == 0 && held && !lax {
-            bad.push(format!("{what}: held iff committed does not hold"));
-        }
-        let adds = repeat_adds(&env, &key).await;
-        if adds != i64::from(!held) {
-            bad.push(format!("{what}: the repeat added {adds}"));
-        }
+        bad.extend(held_iff(&env, &key, &what, n1, rec.is_some(), lax).await);
     }
     bad.extend(hygiene(&env, &env.pool, "nap50").await);
     bad.extend(hygiene(&env, &sync, "nap50s").await);

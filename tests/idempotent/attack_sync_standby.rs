@@ -7,7 +7,9 @@ use super::kit::*;
 use super::*;
 use idem::pool::Replication;
 
-fn sync_pool(env: &Env, size: usize) -> Pool {
+/// A pool that asks for a synchronous standby (none here: the no-cancel
+/// path runs).
+pub(super) fn sync_pool(env: &Env, size: usize) -> Pool {
     build_pool_with(
         env.db.pool_url(),
         &PoolConfig {
