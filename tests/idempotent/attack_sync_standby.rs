@@ -81,7 +81,7 @@ async fn attack49_synchronous_waits_twice_the_bound() {
 /// `cancel_and_discard` → `Tx::cancel_running` (tx/close.rs), whose guard
 /// `waits_for_standby` asks `Wire::commit_in_flight` (wire/unanswered.rs),
 /// false once the wire is `closed`: the cancel goes out. Fixed: the guard
-/// asks `Wire::commit_unanswered`, closed or not; and the seal now waits as
+/// asks `Wire::unanswered_may_commit`, closed or not; and the seal now waits as
 /// long again before it closes (2 × 3 s here), with no cancel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_synchronous_commit_is_cancelled_after_the_seal_closes() {

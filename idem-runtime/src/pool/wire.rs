@@ -138,7 +138,8 @@ struct Sent {
     /// Whether a statement it runs may commit (see
     /// [`Wire::unanswered_may_commit`]).
     commit: bool,
-    /// Whether its end itself may commit (see [`Wire::commit_unanswered`]).
+    /// Whether its end itself may commit: a `COMMIT` (or `END`, `PREPARE`)
+    /// the seal's refusal waits for up to its bound (see [`stop`]).
     commit_end: bool,
     /// Whether a statement it runs ends the transaction (see
     /// [`Wire::guard`]).

@@ -141,13 +141,13 @@ impl Tx {
         // (the body's own, say) into a local commit, visible and not
         // replicated: the backend is left to wait, as `Tx::send_commit`
         // leaves idem's own. Also once the seal closed the connection with
-        // that `COMMIT` unanswered: the backend runs it all the same. So too
-        // a statement behind the body's end, whose own commit waits for the
-        // standby (what the seal does not cancel either, see `wire::stop`).
+        // that `COMMIT` unanswered: the backend runs it all the same (a
+        // `COPY` the close cut off aside, which rolled back with what came
+        // after it). So too a statement behind the body's end, whose own
+        // commit waits for the standby (what the seal does not cancel
+        // either, see `wire::stop`).
         let waits_for_standby = self.replication() == Some(Replication::Synchronous)
-            && self
-                .wire()
-                .is_some_and(|w| w.commit_unanswered() || w.unanswered_may_commit());
+            && self.wire().is_some_and(Wire::unanswered_may_commit);
         if let Some(conn) = self.conn.as_ref().filter(|_| !pooled && !waits_for_standby) {
             crate::pool::cancel(conn.cancel_token());
         }

@@ -59,13 +59,6 @@ impl Wire {
             .any(|sent| sent.ends && !sent.rollback_only)
     }
 
-    /// Whether a `COMMIT` (or `END`, `PREPARE`) is sent and unanswered:
-    /// the backend may still be running it, on a connection closed too
-    /// (the seal's close, say), and waiting for a synchronous standby.
-    pub(crate) fn commit_unanswered(&self) -> bool {
-        self.state().sent.iter().any(|sent| sent.commit_end)
-    }
-
     /// Whether a request sent is unanswered on a connection still open:
     /// the server may still be running it.
     pub(crate) fn running(&self) -> bool {
