@@ -70,7 +70,7 @@ impl Cluster {
         &self.runner.bin_dir
     }
 
-    fn start() -> Result<Cluster, HarnessError> {
+    fn start(settings: &[(&str, &str)]) -> Result<Cluster, HarnessError> {
         let runner = Runner::for_bin_dir(find_bin_dir()?)?;
         let dir = make_temp_dir("idem-pg")?;
         // From here on, Drop owns the cleanup of whatever the remaining steps leave behind.
@@ -82,14 +82,18 @@ impl Cluster {
             runner,
             shut_down: AtomicBool::new(false),
         };
-        cluster.finish_start()
+        cluster.finish_start(settings)
     }
 
-    fn finish_start(mut self) -> Result<Cluster, HarnessError> {
+    fn finish_start(mut self, settings: &[(&str, &str)]) -> Result<Cluster, HarnessError> {
         // The server creates its data dir, socket and log in here.
         self.runner.give_dir(&self.dir)?;
         self.initdb()?;
-        self.append_settings(&self.base_settings())?;
+        let mut conf = self.base_settings();
+        for (name, value) in settings {
+            let _ = writeln!(conf, "{name} = {value}");
+        }
+        self.append_settings(&conf)?;
         for attempt in 1..=PORT_ATTEMPTS {
             let port = free_port()?;
             // Later lines win in postgresql.conf, so a retry simply appends a new port.
@@ -232,7 +236,22 @@ impl Drop for Cluster {
 /// directory removed when the returned value drops. This blocks for the few
 /// seconds `initdb` and the server start take.
 pub fn start_throwaway_cluster() -> Result<Cluster, HarnessError> {
-    Cluster::start()
+    Cluster::start(&[])
+}
+
+/// [`start_throwaway_cluster`] with `settings` added to its
+/// `postgresql.conf`, after the harness's own (later lines win): for a
+/// setting only a server start can change, such as
+/// `max_prepared_transactions`. Each value is written as given, so a
+/// string is quoted by the caller (`("lc_messages", "'C'")`).
+///
+/// ```no_run
+/// let cluster = idem_testing::start_throwaway_cluster_with(&[("max_prepared_transactions", "4")])?;
+/// println!("{}", cluster.url());
+/// # Ok::<(), idem_testing::HarnessError>(())
+/// ```
+pub fn start_throwaway_cluster_with(settings: &[(&str, &str)]) -> Result<Cluster, HarnessError> {
+    Cluster::start(settings)
 }
 
 static SHARED: OnceLock<Result<Cluster, Arc<HarnessError>>> = OnceLock::new();
@@ -240,7 +259,7 @@ static SHARED: OnceLock<Result<Cluster, Arc<HarnessError>>> = OnceLock::new();
 /// The per-process cluster, started on first use.
 pub(crate) fn shared_cluster() -> Result<&'static Cluster, HarnessError> {
     let cluster = SHARED.get_or_init(|| {
-        let cluster = Cluster::start().map_err(Arc::new)?;
+        let cluster = Cluster::start(&[]).map_err(Arc::new)?;
         at_exit(|| {
             if let Some(Ok(cluster)) = SHARED.get() {
                 cluster.shut_down();

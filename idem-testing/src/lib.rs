@@ -60,7 +60,7 @@ mod via;
 mod waiting;
 mod wire;
 
-pub use cluster::{start_throwaway_cluster, Cluster};
+pub use cluster::{start_throwaway_cluster, start_throwaway_cluster_with, Cluster};
 pub use database::{connect, TestDatabase};
 pub use error::HarnessError;
 pub use via::{Via, VIA_ENV};

@@ -63,6 +63,7 @@ mod literals;
 mod local;
 mod malformed;
 mod one_write;
+mod prepared;
 mod queued_commit;
 mod retention;
 mod stacking;
@@ -135,10 +136,15 @@ struct Env {
 }
 
 async fn env(pool_size: usize) -> Env {
-    assert!(pool_size <= 20, "tests run in parallel: keep pools small");
     let db = TestDatabase::create()
         .await
         .expect("create the test database");
+    env_in(db, pool_size).await
+}
+
+/// [`env`] in `db` (a database of a server of the test's own, say).
+async fn env_in(db: TestDatabase, pool_size: usize) -> Env {
+    assert!(pool_size <= 20, "tests run in parallel: keep pools small");
     let mut conn = AsyncPgConnection::establish(db.url())
         .await
         .expect("connect");
