@@ -233,3 +233,52 @@ async fn a_record_that_rode_before_a_withheld_write_is_not_held_again() {
     let holds = log.lines("rode-withheld-", "outcome unknown");
     assert!(holds.is_empty(), "{holds:?}");
 }
+
+/// The body sends its `COMMIT` (in a text with another statement, so that
+/// nothing of idem's rides on it) behind a deferred check of 4.5 s, and
+/// returns 2 s later, the `COMMIT` still running. It is given
+/// `commit_timeout_ms` (3 s) from its send, not from the return (which
+/// would let the check finish at 4.5 s and commit): cancelled at 3 s,
+/// nothing committed, answered `TransactionEnded { committed: false }`
+/// well before 4.5 s, the key free (held in external mode, where the body
+/// may have called out). In every call shape, whether the body returns
+/// `Ok` or an error. Before, every shape waited 3 s from the return
+/// (`Tx::settle`, or idem's `ROLLBACK` queued behind), so the check ended
+/// at 4.5 s and committed: answered truly, but past the bound the seal
+/// keeps for the same `COMMIT` (6 of 6 cases on a5750be).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_in_flight_at_the_return_is_bounded_from_its_send() {
+    use super::kit::*;
+    let env = env_slow(2).await;
+    if env.db.via().is_transaction_pooling() {
+        return; // no cancel behind a transaction pooler (documented)
+    }
+    let steps: &'static [A] = &[
+        W("INSERT INTO slowc VALUES ('{k}', 4500, false)"),
+        Q("SELECT 1; COMMIT"),
+        Ms(2000),
+    ];
+    let mut bad = Vec::new();
+    for v in [V::Rc, V::Ext, V::Plain] {
+        for end in [OK, PLAIN] {
+            let key = format!("from-send-{v:?}-{end}");
+            let s = probe(&env, &env.pool, v, &key, (steps, end), TEN, 0).await;
+            let what = format!(
+                "{key}: {} in {:?}, n {:?}, rec {:?}",
+                s.ans, s.took, s.ns, s.rec
+            );
+            if s.took > Duration::from_millis(4000) {
+                bad.push(format!("{what}: not cancelled at the bound from its send"));
+            }
+            if !s.ans.contains("committed: false") || s.ns != (0, 0, 0) {
+                bad.push(format!("{what}: expected nothing committed"));
+            }
+            let held = s.rec.as_deref() == Some("unknown");
+            if held != (v == V::Ext) || v == V::Rc && s.rec.is_some() {
+                bad.push(format!("{what}: held only in external mode"));
+            }
+        }
+    }
+    bad.extend(hygiene(&env, &env.pool, "from-send").await);
+    verdict(&bad);
+}

@@ -289,11 +289,17 @@ impl Tx {
     /// Wait (up to `timeout`) for the body's requests still owed an answer:
     /// a statement's error arrives before the status that says what it did
     /// to the transaction, and a statement whose future the body dropped may
-    /// still run. `None` without a wire to ask.
+    /// still run. A `COMMIT` of the body's among them is given `timeout`
+    /// from its send, not from now, as the seal gives it (see
+    /// `Wire::bounds_commit`). `None` without a wire to ask.
     pub(super) async fn settle(&self, timeout: Duration) -> Option<Settled> {
         // Once cancelled and waited for (see `Tx::ended_by_body_settled`),
         // what is still unanswered is taken as it stands.
-        let timeout = if self.waited { Duration::ZERO } else { timeout };
+        let timeout = match self.wire() {
+            _ if self.waited => Duration::ZERO,
+            Some(wire) => wire.left_for_commit(timeout),
+            None => timeout,
+        };
         self.wait_settled(timeout).await
     }
 

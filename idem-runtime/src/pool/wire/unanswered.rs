@@ -59,6 +59,16 @@ impl Wire {
             .any(|sent| sent.ends && !sent.rollback_only)
     }
 
+    /// What is left of `timeout` for a `COMMIT` (or `END`, `PREPARE`) of
+    /// the body's still unanswered, counted from its send, as the seal
+    /// counts it (see [`Wire::bounds_commit`]): a body that returned long
+    /// after sending it has had its wait. `timeout` when none is.
+    pub(crate) fn left_for_commit(&self, timeout: Duration) -> Duration {
+        let state = self.state();
+        let sent = state.sent.iter().find(|sent| sent.commit_end);
+        sent.map_or(timeout, |sent| timeout.saturating_sub(sent.at.elapsed()))
+    }
+
     /// Whether a request sent is unanswered on a connection still open:
     /// the server may still be running it.
     pub(crate) fn running(&self) -> bool {
