@@ -44,6 +44,17 @@
 //! guard_ratio=.. business_key_us=.. business_key_ratio=..` (medians in µs;
 //! local, replay and business_key against bare, handwritten_ratio = local /
 //! handwritten, guard_ratio = bare / unguarded).
+//!
+//! `IDEM_BENCH_VIA=pgbouncer` runs idem's pools through a PgBouncer in
+//! transaction pooling, started for the run in front of the same server
+//! (idem-testing's, so `pgbouncer` must be installed), with
+//! `Pooler::TransactionPooling`: nothing of idem's is prepared there, and
+//! `create_once` plans its guard at every call. `unguarded` and
+//! `handwritten` stay direct: diesel-async's own connection caches prepared
+//! statements, and the hand-written claim runs outside a transaction, where
+//! tokio-postgres prepares a statement in one request and runs it in the
+//! next, which a transaction pooler may send to another server connection.
+//! `guard_ratio` and `handwritten_ratio` then also measure the pooler's hop.
 
 #[path = "common/bench.rs"]
 mod bench;
@@ -56,7 +67,7 @@ use std::time::{Duration, Instant};
 
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idem::pool::{build_pool_with, PoolConfig};
+use idem::pool::{build_pool_with, PoolConfig, Pooler};
 use idem::{idempotent, retryable, CreateOnceError, Deferred, Pool, Versioned};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -395,6 +406,7 @@ async fn reset_scope(conn: &mut AsyncPgConnection) -> QueryResult<usize> {
 /// contenders interleaved with a rotating first place.
 async fn caller(
     url: String,
+    pooled: Option<String>,
     caller: i64,
     iterations: usize,
     warmup: usize,
@@ -402,11 +414,21 @@ async fn caller(
 ) -> [Vec<Duration>; CONTENDERS] {
     let one = PoolConfig {
         max_size: 1,
+        pooler: match pooled {
+            Some(_) => Pooler::TransactionPooling,
+            None => Pooler::Direct,
+        },
         ..PoolConfig::default()
     };
-    let pool = || build_pool_with(&url, &one).expect("pool");
+    let direct = PoolConfig {
+        pooler: Pooler::Direct,
+        ..one.clone()
+    };
+    let pool_url = pooled.unwrap_or_else(|| url.clone());
+    let pool = || build_pool_with(&pool_url, &one).expect("pool");
+    let handwritten = build_pool_with(&url, &direct).expect("pool");
     let mut c = Contenders {
-        pools: [pool(), pool(), pool(), pool(), pool(), pool()],
+        pools: [pool(), pool(), pool(), pool(), handwritten, pool()],
         own: AsyncPgConnection::establish(&url).await.expect("connect"),
         replayed: PaymentCmd {
             idempotency_key: format!("replay-{caller}"),
@@ -450,6 +472,19 @@ async fn caller(
 async fn main() {
     let args = parse_args();
     let url = common::database_url().await;
+    let bouncer = match std::env::var("IDEM_BENCH_VIA").as_deref() {
+        Ok("pgbouncer") => {
+            let server = url.clone();
+            let start = move || idem_testing::pgbouncer::PgBouncer::start(&server);
+            let started = tokio::task::spawn_blocking(start).await.expect("join");
+            Some(started.expect("start PgBouncer (is pgbouncer installed?)"))
+        }
+        Ok("") | Ok("direct") | Err(_) => None,
+        Ok(other) => panic!("IDEM_BENCH_VIA={other:?}: expected pgbouncer or direct"),
+    };
+    let pooled = bouncer
+        .as_ref()
+        .map(|b| b.url_for(&url).expect("PgBouncer's URL"));
 
     let mut setup = AsyncPgConnection::establish(&url).await.expect("connect");
     idem::migrate(&mut setup).await.expect("migrate");
@@ -460,6 +495,7 @@ async fn main() {
         .map(|n| {
             tokio::spawn(caller(
                 url.clone(),
+                pooled.clone(),
                 n,
                 args.iterations,
                 args.warmup,
@@ -479,11 +515,16 @@ async fn main() {
     reset_scope(&mut setup).await.expect("clean up key space");
 
     println!(
-        "{} iterations per contender after {} warm-up, interleaved ({}), concurrency={}",
+        "{} iterations per contender after {} warm-up, interleaved ({}), concurrency={}{}",
         args.iterations,
         args.warmup,
         if args.shuffle { "shuffled" } else { "cycle" },
-        args.concurrency
+        args.concurrency,
+        if bouncer.is_some() {
+            ", idem's pools through PgBouncer"
+        } else {
+            ""
+        }
     );
     println!(
         "{:<12} {:>10} {:>10} {:>10} {:>8}",
