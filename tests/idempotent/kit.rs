@@ -46,7 +46,7 @@ pub(super) const N3: &str = "INSERT INTO effects (tag, n) VALUES ('{k}', 3)";
 
 /// A `COMMIT` that takes `ms` and then succeeds or fails (`slowc`), or
 /// fails as a serialization failure (`serc`): deferred triggers.
-const SLOW_COMMITS: &str =
+pub(super) const SLOW_COMMITS: &str =
     "CREATE TABLE slowc (tag text NOT NULL, ms int NOT NULL, fail bool NOT NULL);
     CREATE FUNCTION slowc_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
       PERFORM pg_sleep(NEW.ms / 1000.0);

@@ -29,6 +29,7 @@ mod attack_drop;
 mod attack_dropped;
 mod attack_ext;
 mod attack_handoff;
+mod attack_prepared;
 mod attack_hold;
 mod attack_savepoint;
 mod attack_seal;

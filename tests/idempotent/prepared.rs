@@ -11,10 +11,12 @@
 use super::kit::*;
 use super::*;
 
-/// A database on a new server that allows prepared transactions.
-async fn env_2pc() -> (idem_testing::Cluster, Env) {
+/// A database on a server of its own allowing `max` prepared
+/// transactions, with the slow `COMMIT`s' tables (their deferred checks
+/// fire at a `PREPARE` too).
+pub(super) async fn env_max(max: &'static str) -> (idem_testing::Cluster, Env) {
     let start =
-        || idem_testing::start_throwaway_cluster_with(&[("max_prepared_transactions", "8")]);
+        move || idem_testing::start_throwaway_cluster_with(&[("max_prepared_transactions", max)]);
     let cluster = tokio::task::spawn_blocking(start)
         .await
         .expect("join")
@@ -23,6 +25,8 @@ async fn env_2pc() -> (idem_testing::Cluster, Env) {
         .await
         .expect("create the test database");
     let env = env_in(db, 2).await;
+    let ddl = format!("{SLOW_COMMITS}; {STUBBORN}");
+    env.client.batch_execute(&ddl).await.expect("deferred");
     (cluster, env)
 }
 
@@ -46,7 +50,7 @@ const N3_PREPARE: &str =
 /// back (none).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_prepares_its_transaction_is_answered_committed_and_its_key_held() {
-    let (_cluster, env) = env_2pc().await;
+    let (_cluster, env) = env_max("8").await;
     let cases: [(&str, &'static [A], i64); 4] = [
         ("awaited", &[W(PREPARE)], 0),
         ("then-write", &[W(PREPARE), W(N2)], 0),
@@ -113,7 +117,7 @@ async fn short(conn: &mut AsyncPgConnection, key: &str, prepare: bool) -> Result
 /// `OutcomeUnknown`. Another key is not held up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prepared_transaction_keeps_the_keys_lock_until_it_is_finished() {
-    let (_cluster, env) = env_2pc().await;
+    let (_cluster, env) = env_max("8").await;
     let key = "prep-lock";
     let first = short(&env.pool, key, true).await;
     assert!(
