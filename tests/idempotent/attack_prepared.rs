@@ -267,6 +267,18 @@ fn kill_when(env: &Env, state: &'static str) -> tokio::task::JoinHandle<bool> {
     })
 }
 
+/// A case around a `PREPARE`: its name, the body's steps and end, when the
+/// call is dropped (µs), the backend state at which it is killed, whether
+/// something is prepared (`None`: either).
+type Around = (
+    &'static str,
+    &'static [A],
+    u8,
+    Option<u64>,
+    Option<&'static str>,
+    Option<bool>,
+);
+
 /// Around the body's `PREPARE`: the call dropped while it runs (a check of
 /// 1 s that passes or fails; one of 4.5 s, cancelled at `commit_timeout_ms`
 /// but behind a pooler), a panic or a drop after it, the backend killed
@@ -278,7 +290,7 @@ async fn attack_a_call_dropped_panicking_or_killed_around_its_prepare_holds_what
     let (_cluster, env) = env_max("8").await;
     let pooled = env.db.via().is_transaction_pooling();
     #[rustfmt::skip]
-    let cases: [(&str, &'static [A], u8, Option<u64>, Option<&'static str>, Option<bool>); 7] = [
+    let cases: [Around; 7] = [
         ("drop-ok", leak_steps(vec![W(slow("slowc", 1000, false)), W(GID)]), OK, Some(400_000), None, Some(true)),
         ("drop-bad", leak_steps(vec![W(slow("slowc", 1000, true)), W(GID)]), OK, Some(400_000), None, Some(false)),
         ("drop-slow", leak_steps(vec![W(slow("slowc", 4500, false)), W(GID)]), OK, Some(400_000), None,
