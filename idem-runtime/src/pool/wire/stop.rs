@@ -10,8 +10,10 @@
 //! (see `Tx::cancel_and_discard`) would race it unseen, aborting it now and
 //! then while the key stayed held over nothing. So the refusal waits, up to
 //! [`STOP_WAIT`]: the request the server is running is cancelled (each
-//! request once, as it comes to the front: one still in idem's transaction
-//! ahead of the end too, which the end rolls back anyway), the driver reads
+//! request as it comes to the front, and once more when it was written
+//! too recently for the backend to have read it, where a cancel is lost,
+//! see [`CANCEL_AGAIN`]; one still in idem's transaction ahead of the end
+//! too, which the end rolls back anyway), the driver reads
 //! the answers, and only then is the write refused and the connection
 //! closed, with the wire's marks saying whether the statement committed.
 //!
@@ -41,6 +43,13 @@ use super::{State, Wire};
 /// How long the seal's refusal waits for the requests ahead of it once it
 /// cancelled them: a backend stops at a cancel within milliseconds.
 const STOP_WAIT: Duration = Duration::from_secs(1);
+
+/// A cancel sent within this long of its request's write is sent again
+/// once the request is this old: one that reaches the backend while it is
+/// still reading the request is ignored there, and the request would run
+/// on to the end of the wait. Only once: a request the backend runs stops
+/// at the first cancel it gets, or was written to ignore cancels.
+const CANCEL_AGAIN: Duration = Duration::from_millis(200);
 
 /// The cancel token of the connection a wire watches, when a cancel can
 /// reach its backend (no transaction pooler in between, see
@@ -99,8 +108,9 @@ struct Stop {
     since: Instant,
     /// How long the cancelled requests are waited for.
     wait: Duration,
-    /// The request (counted by the answers before it) last cancelled.
-    cancelled: Option<u64>,
+    /// The request (counted by the answers before it) last cancelled, and
+    /// when.
+    cancelled: Option<(u64, Instant)>,
 }
 
 impl Wire {
@@ -179,12 +189,34 @@ fn hold(token: Option<&tokio_postgres::CancelToken>, state: &mut State, waker: &
         cancelled: None,
     });
     let until = stop.since + stop.wait;
-    if now >= until || !wake_at(&mut state.waits, until, waker) {
+    if now >= until {
         return false;
     }
-    if let Some(token) = token.filter(|_| stop.cancelled != Some(front)) {
+    // The front request is cancelled as it comes to the front, and once
+    // more when that cancel went out so soon after the request was written
+    // that the backend may not have read it yet (see `CANCEL_AGAIN`).
+    let written = state.sent.front().map(|sent| sent.at);
+    let again = |at: Instant| {
+        written
+            .filter(|written| at < *written + CANCEL_AGAIN)
+            .map(|written| written + CANCEL_AGAIN)
+    };
+    let due = match stop.cancelled {
+        Some((request, at)) if request == front => again(at),
+        _ => Some(now),
+    };
+    let cancel = token.filter(|_| due.is_some_and(|due| now >= due));
+    let later = if cancel.is_some() { again(now) } else { due };
+    let next = match (token, later) {
+        (Some(_), Some(later)) => until.min(later),
+        _ => until,
+    };
+    if !wake_at(&mut state.waits, next, waker) {
+        return false;
+    }
+    if let Some(token) = cancel {
         state.waits.stop = Some(Stop {
-            cancelled: Some(front),
+            cancelled: Some((front, now)),
             ..stop
         });
         // One that comes after its request ended finds the backend idle
