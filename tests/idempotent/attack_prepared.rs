@@ -7,9 +7,8 @@ use super::kit::*;
 use super::*;
 use tokio::sync::Notify;
 
-use super::prepared::env_max;
+use super::prepared::{env_max, prepared, PREPARE as GID};
 
-const GID: &str = "PREPARE TRANSACTION 'p-{k}'";
 const CP: &str = "COMMIT PREPARED 'p-{k}'";
 const RP: &str = "ROLLBACK PREPARED 'p-{k}'";
 
@@ -19,14 +18,6 @@ fn leak(s: String) -> &'static str {
 
 fn leak_steps(v: Vec<A>) -> &'static [A] {
     Box::leak(v.into_boxed_slice())
-}
-
-/// Transactions prepared in this database, and those under `gid`.
-async fn prepared(env: &Env, gid: &str) -> (i64, i64) {
-    let q = "SELECT count(*), count(*) FILTER (WHERE gid = $1) FROM pg_prepared_xacts \
-             WHERE database = current_database()";
-    let row = env.client.query_one(q, &[&gid]).await.unwrap();
-    (row.get(0), row.get(1))
 }
 
 /// Values the effects' sequence gave out: one per attempt (and per n = 2, 3 run).

@@ -30,13 +30,15 @@ pub(super) async fn env_max(max: &'static str) -> (idem_testing::Cluster, Env) {
     (cluster, env)
 }
 
-async fn prepared(env: &Env, key: &str) -> i64 {
-    let gid = format!("p-{key}");
-    let q = "SELECT count(*) FROM pg_prepared_xacts WHERE gid = $1";
-    env.client.query_one(q, &[&gid]).await.unwrap().get(0)
+/// Transactions prepared in this database, and those under `gid`.
+pub(super) async fn prepared(env: &Env, gid: &str) -> (i64, i64) {
+    let q = "SELECT count(*), count(*) FILTER (WHERE gid = $1) FROM pg_prepared_xacts \
+             WHERE database = current_database()";
+    let row = env.client.query_one(q, &[&gid]).await.unwrap();
+    (row.get(0), row.get(1))
 }
 
-const PREPARE: &str = "PREPARE TRANSACTION 'p-{k}'";
+pub(super) const PREPARE: &str = "PREPARE TRANSACTION 'p-{k}'";
 const N3_PREPARE: &str =
     "INSERT INTO effects (tag, n) VALUES ('{k}', 3); PREPARE TRANSACTION 'p-{k}'";
 
@@ -66,7 +68,7 @@ async fn a_body_that_prepares_its_transaction_is_answered_committed_and_its_key_
             if !s.ans.contains("TransactionEnded { committed: true }") {
                 bad.push(format!("{what}: not answered committed"));
             }
-            if s.ns != (0, 0, 0) || prepared(&env, &key).await != 1 {
+            if s.ns != (0, 0, 0) || prepared(&env, &format!("p-{key}")).await.1 != 1 {
                 bad.push(format!("{what}: expected nothing visible, one prepared"));
             }
             let keyed = !plain(v);
@@ -129,7 +131,7 @@ async fn a_prepared_transaction_keeps_the_keys_lock_until_it_is_finished() {
         ),
         "{first:?}"
     );
-    assert_eq!(prepared(&env, key).await, 1);
+    assert_eq!(prepared(&env, &format!("p-{key}")).await.1, 1);
     assert_eq!(env.state(key).await.as_deref(), Some("unknown"));
 
     let started = Instant::now();

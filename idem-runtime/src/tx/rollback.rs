@@ -80,14 +80,14 @@ impl Tx {
             self.cancel_and_discard();
             return (false, Some(wire), false);
         }
+        // Behind a `COMMIT` of the body's, what is left of its bound from its
+        // send (see `Tx::settle`): past it, it is cancelled below.
+        let wait = wire.left_for_commit(timeout);
         // Handed on after the body's own end (its call dropped while
         // diesel-async's manager had a request of its own unanswered, idem's
         // `ROLLBACK` say): a `ROLLBACK` of idem's own, whatever the manager
         // counts, behind the body's `COMMIT`, whose answer decides what to
         // hold; a cancel would abort that `COMMIT` unread. Then closed.
-        // Behind a `COMMIT` of the body's, what is left of its bound from its
-        // send (see `Tx::settle`): past it, it is cancelled below.
-        let wait = wire.left_for_commit(timeout);
         let rolled_back = if self.unmanaged || broken {
             let mut shared: &AsyncPgConnection = self.conn();
             tokio::time::timeout(wait, shared.batch_execute("ROLLBACK")).await
