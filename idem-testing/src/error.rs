@@ -8,7 +8,9 @@ use std::time::Duration;
 ///
 /// The variants carry the evidence needed to fix the machine (stderr of
 /// `initdb`, the server log, the directories searched), because a test that
-/// fails here is almost always failing for an environmental reason.
+/// fails here is mostly failing for an environmental reason; the caller's
+/// own mistakes have variants of their own ([`HarnessError::InvalidSetting`],
+/// [`HarnessError::InvalidUrl`], [`HarnessError::InvalidVia`]).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HarnessError {
@@ -53,6 +55,19 @@ pub enum HarnessError {
         data_dir: PathBuf,
         /// Everything `initdb` wrote to stderr.
         stderr: String,
+    },
+
+    /// A setting given to [`crate::start_throwaway_cluster_with`] cannot be
+    /// written as the one line of `postgresql.conf` it was meant as, or is
+    /// one the harness owns; nothing was started or written.
+    #[error("the setting {name:?} = {value:?} was refused: {reason}")]
+    InvalidSetting {
+        /// The setting's name, as given.
+        name: String,
+        /// Its value, as given.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
     },
 
     /// `pg_ctl start` did not bring the server up.

@@ -14,6 +14,8 @@ use crate::privilege::Runner;
 use crate::scratch::{free_port, make_temp_dir};
 use crate::HarnessError;
 
+mod settings;
+
 /// Settings that trade durability for speed; a test cluster is deleted anyway.
 const TEST_SETTINGS: &[(&str, &str)] = &[
     ("fsync", "off"),
@@ -32,13 +34,22 @@ const PORT_ATTEMPTS: usize = 5;
 /// A PostgreSQL cluster in a temporary directory, owned by this process.
 ///
 /// Dropping it stops the server (`pg_ctl stop -m immediate`, nothing in it is
-/// worth a clean shutdown) and deletes the directory.
+/// worth a clean shutdown) and deletes the directory; so does the process's
+/// exit, for a cluster never dropped (one kept in a `static` to share it
+/// between a test binary's tests).
 #[derive(Debug)]
 pub struct Cluster {
-    dir: PathBuf,
-    data_dir: PathBuf,
+    owned: Arc<Owned>,
     port: u16,
     url: String,
+}
+
+/// What the cluster leaves on the machine, shared with the process's exit
+/// hook, which stops a cluster still alive then.
+#[derive(Debug)]
+struct Owned {
+    dir: PathBuf,
+    data_dir: PathBuf,
     runner: Runner,
     // Shared between Drop and the atexit hook, which only has `&self`.
     shut_down: AtomicBool,
@@ -57,49 +68,62 @@ impl Cluster {
 
     /// The temporary directory holding the data directory, the server log and the unix socket.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        &self.owned.dir
     }
 
     /// The data directory (`PGDATA`).
     pub fn data_dir(&self) -> &Path {
-        &self.data_dir
+        &self.owned.data_dir
     }
 
     /// The directory the server binaries were taken from.
     pub fn bin_dir(&self) -> &Path {
-        &self.runner.bin_dir
+        &self.owned.runner.bin_dir
     }
 
     fn start(settings: &[(&str, &str)]) -> Result<Cluster, HarnessError> {
+        // Before anything is made: a refused setting leaves nothing behind.
+        for (name, value) in settings {
+            settings::check(name, value)?;
+        }
         let runner = Runner::for_bin_dir(find_bin_dir()?)?;
         let dir = make_temp_dir("idem-pg")?;
         // From here on, Drop owns the cleanup of whatever the remaining steps leave behind.
         let cluster = Cluster {
-            data_dir: dir.join("data"),
-            dir,
+            owned: Arc::new(Owned {
+                data_dir: dir.join("data"),
+                dir,
+                runner,
+                shut_down: AtomicBool::new(false),
+            }),
             port: 0,
             url: String::new(),
-            runner,
-            shut_down: AtomicBool::new(false),
         };
         cluster.finish_start(settings)
     }
 
     fn finish_start(mut self, settings: &[(&str, &str)]) -> Result<Cluster, HarnessError> {
+        let owned = &self.owned;
         // The server creates its data dir, socket and log in here.
-        self.runner.give_dir(&self.dir)?;
-        self.initdb()?;
-        let mut conf = self.base_settings();
+        owned.runner.give_dir(&owned.dir)?;
+        owned.initdb()?;
+        let mut conf = owned.base_settings();
         for (name, value) in settings {
             let _ = writeln!(conf, "{name} = {value}");
         }
-        self.append_settings(&conf)?;
+        owned.append_settings(&conf)?;
         for attempt in 1..=PORT_ATTEMPTS {
             let port = free_port()?;
             // Later lines win in postgresql.conf, so a retry simply appends a new port.
-            self.append_settings(&format!("port = {port}\n"))?;
-            match self.pg_ctl_start() {
+            owned.append_settings(&format!("port = {port}\n"))?;
+            match owned.pg_ctl_start(settings) {
                 Ok(()) => {
+                    let owned = Arc::downgrade(&self.owned);
+                    at_exit(move || {
+                        if let Some(owned) = owned.upgrade() {
+                            owned.shut_down();
+                        }
+                    });
                     self.port = port;
                     self.url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
                     return Ok(self);
@@ -114,7 +138,9 @@ impl Cluster {
         }
         unreachable!("the last attempt returns")
     }
+}
 
+impl Owned {
     fn initdb(&self) -> Result<(), HarnessError> {
         let mut cmd = self.runner.command("initdb", &self.dir);
         cmd.arg("-D")
@@ -157,7 +183,9 @@ impl Cluster {
         self.dir.join("server.log")
     }
 
-    fn pg_ctl_start(&self) -> Result<(), HarnessError> {
+    /// `settings`, the caller's, are named in the error: the server's own
+    /// may point at a line of a file removed with the cluster.
+    fn pg_ctl_start(&self, settings: &[(&str, &str)]) -> Result<(), HarnessError> {
         let mut cmd = self.runner.command("pg_ctl", &self.dir);
         cmd.arg("-D")
             .arg(&self.data_dir)
@@ -171,14 +199,20 @@ impl Cluster {
         let log = fs::read_to_string(self.log_path()).unwrap_or_default();
         // A timed-out start may leave a server running; it must not outlive the failed attempt.
         self.stop_server();
-        Err(HarnessError::ServerDidNotStart {
-            detail: format!(
-                "pg_ctl start exited with {}: {}",
-                output.status,
-                String::from_utf8_lossy(&output.stderr).trim()
-            ),
-            log,
-        })
+        let mut detail = format!(
+            "pg_ctl start exited with {}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+        if !settings.is_empty() {
+            let given: Vec<String> = settings.iter().map(|(n, v)| format!("{n} = {v}")).collect();
+            let _ = write!(
+                detail,
+                " (with the caller's settings: {})",
+                given.join(", ")
+            );
+        }
+        Err(HarnessError::ServerDidNotStart { detail, log })
     }
 
     fn stop_server(&self) {
@@ -214,7 +248,7 @@ impl Cluster {
     }
 
     /// Stops the server and deletes the directory; safe to call more than once.
-    pub(crate) fn shut_down(&self) {
+    fn shut_down(&self) {
         if self.shut_down.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -225,7 +259,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        self.shut_down();
+        self.owned.shut_down();
     }
 }
 
@@ -233,8 +267,10 @@ impl Drop for Cluster {
 ///
 /// Exists so the code path used on machines without `DATABASE_URL` can be
 /// exercised on machines that have one. The cluster is stopped and its
-/// directory removed when the returned value drops. This blocks for the few
-/// seconds `initdb` and the server start take.
+/// directory removed when the returned value drops, or at the latest when
+/// the process exits. This blocks for the few seconds `initdb` and the
+/// server start take: inside a Tokio runtime, call it through
+/// `tokio::task::spawn_blocking`.
 pub fn start_throwaway_cluster() -> Result<Cluster, HarnessError> {
     Cluster::start(&[])
 }
@@ -242,8 +278,22 @@ pub fn start_throwaway_cluster() -> Result<Cluster, HarnessError> {
 /// [`start_throwaway_cluster`] with `settings` added to its
 /// `postgresql.conf`, after the harness's own (later lines win): for a
 /// setting only a server start can change, such as
-/// `max_prepared_transactions`. Each value is written as given, so a
-/// string is quoted by the caller (`("lc_messages", "'C'")`).
+/// `max_prepared_transactions`.
+///
+/// Each pair is written as one `name = value` line, so a value other than
+/// a word or a number is quoted by the caller, with `''` for a quote inside
+/// (`("search_path", "'app, public'")`). Refused with
+/// [`HarnessError::InvalidSetting`], before anything is started or written:
+/// a name that is not a setting's name, an empty value, an unquoted value
+/// with other characters than letters, digits and `-+._:/` (a `#` would
+/// begin a comment there, a space end it), a quote left open or followed
+/// by more text, a line break anywhere, and the settings the harness owns
+/// (`port`, `listen_addresses`, `unix_socket_directories`,
+/// `data_directory`, `config_file`, `hba_file`, `ident_file` and the
+/// `include` directives: the cluster's URL, socket and clean-up depend on
+/// them). A setting the server itself refuses (an unknown name, a value
+/// out of range) is [`HarnessError::ServerDidNotStart`], with the server's
+/// log and the caller's settings in it.
 ///
 /// ```no_run
 /// let cluster = idem_testing::start_throwaway_cluster_with(&[("max_prepared_transactions", "4")])?;
@@ -258,15 +308,8 @@ static SHARED: OnceLock<Result<Cluster, Arc<HarnessError>>> = OnceLock::new();
 
 /// The per-process cluster, started on first use.
 pub(crate) fn shared_cluster() -> Result<&'static Cluster, HarnessError> {
-    let cluster = SHARED.get_or_init(|| {
-        let cluster = Cluster::start(&[]).map_err(Arc::new)?;
-        at_exit(|| {
-            if let Some(Ok(cluster)) = SHARED.get() {
-                cluster.shut_down();
-            }
-        });
-        Ok(cluster)
-    });
+    // Stopped at the process's exit, as every cluster still alive then is.
+    let cluster = SHARED.get_or_init(|| Cluster::start(&[]).map_err(Arc::new));
     cluster
         .as_ref()
         .map_err(|e| HarnessError::SharedCluster(Arc::clone(e)))
