@@ -3,7 +3,7 @@
 //! the test binary.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, Once, PoisonError};
+use std::sync::{Arc, Mutex, Once, PoisonError};
 
 type Hook = Box<dyn FnOnce() + Send>;
 
@@ -22,6 +22,19 @@ pub(crate) fn at_exit(hook: impl FnOnce() + Send + 'static) {
         }
     });
     lock().push(Box::new(hook));
+}
+
+/// Run `stop` on `owned` when the process exits, if it is still alive then:
+/// a server its owner never dropped (kept in a `static` to share it between
+/// a binary's tests) would otherwise outlive the process. `stop` must do
+/// nothing to one already stopped.
+pub(crate) fn stop_at_exit<T: Send + Sync + 'static>(owned: &Arc<T>, stop: fn(&T)) {
+    let owned = Arc::downgrade(owned);
+    at_exit(move || {
+        if let Some(owned) = owned.upgrade() {
+            stop(&owned);
+        }
+    });
 }
 
 // A panic elsewhere while the lock was held leaves the list as valid as

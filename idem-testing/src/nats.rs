@@ -104,14 +104,15 @@ impl NatsHarnessError {
 server::from_failure!(NatsHarnessError);
 
 /// A `nats-server -js` started by the harness; stopped (and its store
-/// directory removed) when dropped.
+/// directory removed) when dropped, or at the process's exit.
 ///
 /// A test that needs an outage [`kill`](NatsServer::kill)s it and
 /// [`restart`](NatsServer::restart)s it on the same port with the same store
 /// directory, so clients reconnect to it and file-stored streams survive.
 #[derive(Debug)]
 pub struct NatsServer {
-    process: Process,
+    // Shared with the process's exit, which stops one never dropped.
+    process: Arc<Process>,
 }
 
 impl NatsServer {
@@ -119,7 +120,7 @@ impl NatsServer {
     /// in a new temporary directory. Blocks until it accepts connections.
     pub fn start() -> Result<NatsServer, NatsHarnessError> {
         Ok(NatsServer {
-            process: Process::start(&SPEC)?,
+            process: Process::start_owned(&SPEC)?,
         })
     }
 

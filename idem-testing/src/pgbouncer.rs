@@ -25,9 +25,10 @@ use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::exit::stop_at_exit;
 use crate::privilege::{find_program, Runner};
 use crate::scratch::{free_port, make_temp_dir};
 use crate::url::{credentials, host_port, with_host_port};
@@ -76,11 +77,20 @@ impl Default for PgBouncerSettings {
     }
 }
 
-/// A running PgBouncer (`pool_mode = transaction`); stopped when dropped.
+/// A running PgBouncer (`pool_mode = transaction`); stopped when dropped,
+/// or at the process's exit.
 #[derive(Debug)]
 pub struct PgBouncer {
-    dir: PathBuf,
     port: u16,
+    // Shared with the process's exit, which stops one never dropped.
+    running: Arc<Running>,
+}
+
+/// The program and its directory, which the process's exit stops and
+/// removes if no drop did.
+#[derive(Debug)]
+struct Running {
+    dir: PathBuf,
     child: Mutex<Option<Child>>,
     // Shared between Drop and an atexit hook, which only has `&self`.
     shut_down: AtomicBool,
@@ -109,20 +119,24 @@ impl PgBouncer {
         let dir = make_temp_dir("idem-pgbouncer")?;
         // From here on, Drop owns the cleanup of the directory and the process.
         let mut bouncer = PgBouncer {
-            dir,
             port: 0,
-            child: Mutex::new(None),
-            shut_down: AtomicBool::new(false),
+            running: Arc::new(Running {
+                dir,
+                child: Mutex::new(None),
+                shut_down: AtomicBool::new(false),
+            }),
         };
-        runner.give_dir(&bouncer.dir)?;
+        let running = &bouncer.running;
+        runner.give_dir(&running.dir)?;
         for attempt in 1..=PORT_ATTEMPTS {
             let port = free_port()?;
-            let config = bouncer.config(&databases, port, settings);
-            let config_path = bouncer.dir.join("pgbouncer.ini");
+            let config = running.config(&databases, port, settings);
+            let config_path = running.dir.join("pgbouncer.ini");
             fs::write(&config_path, config)
                 .map_err(|e| HarnessError::io(format!("write {}", config_path.display()), e))?;
-            match bouncer.spawn(&runner, &program, &config_path, port) {
+            match running.spawn(&runner, &program, &config_path, port) {
                 Ok(()) => {
+                    stop_at_exit(running, Running::shut_down);
                     bouncer.port = port;
                     return Ok(bouncer);
                 }
@@ -144,7 +158,7 @@ impl PgBouncer {
 
     /// The directory holding its configuration, log and pid file.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        &self.running.dir
     }
 
     /// `url` (a database on the server this PgBouncer fronts) as reached
@@ -184,6 +198,17 @@ impl PgBouncer {
 
     /// What PgBouncer logged so far (empty if the log cannot be read).
     pub fn log(&self) -> String {
+        self.running.log()
+    }
+
+    /// Stops PgBouncer and deletes its directory; safe to call more than once.
+    pub(crate) fn shut_down(&self) {
+        self.running.shut_down();
+    }
+}
+
+impl Running {
+    fn log(&self) -> String {
         let mut log = fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default();
         // What it wrote before it could open its log file (a bad setting).
         log.push_str(&fs::read_to_string(self.dir.join("stderr.log")).unwrap_or_default());
@@ -320,7 +345,7 @@ impl PgBouncer {
     }
 
     /// Stops PgBouncer and deletes its directory; safe to call more than once.
-    pub(crate) fn shut_down(&self) {
+    fn shut_down(&self) {
         if self.shut_down.swap(true, Ordering::SeqCst) {
             return;
         }

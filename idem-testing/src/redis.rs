@@ -106,10 +106,11 @@ impl RedisHarnessError {
 server::from_failure!(RedisHarnessError);
 
 /// A `redis-server` started by the harness, without persistence; stopped
-/// (and its directory removed) when dropped.
+/// (and its directory removed) when dropped, or at the process's exit.
 #[derive(Debug)]
 pub struct RedisServer {
-    process: Process,
+    // Shared with the process's exit, which stops one never dropped.
+    process: Arc<Process>,
 }
 
 impl RedisServer {
@@ -117,7 +118,7 @@ impl RedisServer {
     /// no`), in a new temporary directory. Blocks until it answers `PING`.
     pub fn start() -> Result<RedisServer, RedisHarnessError> {
         Ok(RedisServer {
-            process: Process::start(&SPEC)?,
+            process: Process::start_owned(&SPEC)?,
         })
     }
 

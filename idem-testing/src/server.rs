@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::exit::at_exit;
+use crate::exit::{at_exit, stop_at_exit};
 use crate::scratch::random_u32;
 
 /// How long a started server gets to be ready (in this crate's unit tests,
@@ -137,6 +137,14 @@ impl Process {
             process.shut_down();
             return Err(failure);
         }
+        Ok(process)
+    }
+
+    /// [`Process::start`], for an owner that may never drop it (a server
+    /// kept in a `static`): stopped at the process's exit if still running.
+    pub(crate) fn start_owned(spec: &'static Spec) -> Result<Arc<Process>, Failure> {
+        let process = Arc::new(Process::start(spec)?);
+        stop_at_exit(&process, Process::shut_down);
         Ok(process)
     }
 

@@ -10,7 +10,6 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::exit::at_exit;
 use crate::pgbouncer::PgBouncer;
 use crate::url::{credentials, host_port};
 use crate::HarnessError;
@@ -72,12 +71,10 @@ pub(crate) fn shared_pgbouncer(server_url: &str) -> Result<&'static PgBouncer, H
         Some((_, entry)) => entry.clone(),
         None => {
             let started = PgBouncer::start(server_url)
-                // Never dropped: stopped at exit instead.
+                // Never dropped: stopped at exit instead, as every PgBouncer
+                // still running then is.
                 .map(|bouncer| &*Box::leak(Box::new(bouncer)))
                 .map_err(Arc::new);
-            if let Ok(bouncer) = started {
-                at_exit(|| bouncer.shut_down());
-            }
             shared.push((key, started.clone()));
             started
         }

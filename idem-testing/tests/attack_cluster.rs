@@ -385,3 +385,70 @@ fn a_cluster_in_a_static_is_stopped_when_the_process_exits() {
     );
     assert_nothing_left(&before, "after the child");
 }
+
+/// The same for the other servers the harness starts for a caller (NATS,
+/// Redis, PgBouncer; kept in `static`s, never dropped): each is stopped,
+/// and its directory removed, when the process exits. Before, only the
+/// servers the harness shares itself were. PgBouncer's part needs the
+/// program (`.ci/run` installs it); without it the child says so and the
+/// other two are checked.
+#[test]
+fn servers_kept_in_statics_are_stopped_when_the_process_exits() {
+    use idem_testing::nats::NatsServer;
+    use idem_testing::pgbouncer::PgBouncer;
+    use idem_testing::redis::RedisServer;
+    static NATS: std::sync::OnceLock<NatsServer> = std::sync::OnceLock::new();
+    static REDIS: std::sync::OnceLock<RedisServer> = std::sync::OnceLock::new();
+    static BOUNCER: std::sync::OnceLock<PgBouncer> = std::sync::OnceLock::new();
+    const TEST: &str = "servers_kept_in_statics_are_stopped_when_the_process_exits";
+    if std::env::var_os("ATTACK_CHILD").is_some() {
+        let nats = NATS.get_or_init(|| NatsServer::start().expect("nats-server"));
+        let redis = REDIS.get_or_init(|| RedisServer::start().expect("redis-server"));
+        println!("ATTACK_DIR {}", nats.dir().display());
+        println!("ATTACK_DIR {}", redis.dir().display());
+        let url = idem_testing::server_url().expect("a server");
+        match PgBouncer::start(&url) {
+            Ok(bouncer) => println!(
+                "ATTACK_DIR {}",
+                BOUNCER.get_or_init(|| bouncer).dir().display()
+            ),
+            Err(e @ HarnessError::NoPgBouncer { .. }) => eprintln!("not checked: {e}"),
+            Err(e) => panic!("{e}"),
+        }
+        return;
+    }
+    let before = snapshot();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
+        .env("ATTACK_CHILD", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "the child failed: {out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let dirs: Vec<PathBuf> = stdout
+        .lines()
+        .filter_map(|l| {
+            l.split_once("ATTACK_DIR ")
+                .map(|(_, d)| PathBuf::from(d.trim()))
+        })
+        .collect();
+    assert!(dirs.len() >= 2, "child said: {stdout}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dirs.iter().any(|dir| !pids_in(dir).is_empty()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let left: Vec<(PathBuf, bool, Vec<u32>)> = dirs
+        .iter()
+        .map(|dir| (dir.clone(), dir.exists(), pids_in(dir)))
+        .filter(|(_, exists, pids)| *exists || !pids.is_empty())
+        .collect();
+    for dir in &dirs {
+        kill_left(dir);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    assert!(
+        left.is_empty(),
+        "left after the child exited (dir, exists, pids): {left:?}"
+    );
+    assert_nothing_left(&before, "after the child");
+}

@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::exit::at_exit;
+use crate::exit::stop_at_exit;
 use crate::privilege::Runner;
 use crate::scratch::{free_port, make_temp_dir};
 use crate::HarnessError;
@@ -118,12 +118,7 @@ impl Cluster {
             owned.append_settings(&format!("port = {port}\n"))?;
             match owned.pg_ctl_start(settings) {
                 Ok(()) => {
-                    let owned = Arc::downgrade(&self.owned);
-                    at_exit(move || {
-                        if let Some(owned) = owned.upgrade() {
-                            owned.shut_down();
-                        }
-                    });
+                    stop_at_exit(&self.owned, Owned::shut_down);
                     self.port = port;
                     self.url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
                     return Ok(self);
