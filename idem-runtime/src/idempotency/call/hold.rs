@@ -19,15 +19,27 @@ use crate::pool::Pool;
 use crate::retry::{retry, RetryPolicy};
 use crate::tx::{AfterBodyCommit, Tx};
 
+/// The least time a key's settling is given (its local hold after a body
+/// committed by hand, an external claim released or marked unknown),
+/// whatever the attempt's `commit_timeout_ms`: a local key left free over
+/// a committed effect is run again by every repeat, a claim left as it is
+/// stays in progress until its lease runs out, and each takes a round trip
+/// or three (on the call's own connection, else a new one), which a
+/// `commit_timeout_ms` of a few milliseconds never leaves (found: at 1 ms
+/// no hold was written).
+pub(super) const SETTLE_AT_LEAST: Duration = Duration::from_secs(1);
+
 /// Hold `request`'s key (local mode) after its body committed by hand, on
-/// `ended`'s connection when the attempt kept one, else through `pool`.
-/// Logged, never returned: the caller's answer is the body's end.
+/// `ended`'s connection when the attempt kept one, else through `pool`,
+/// within `timeout` ([`SETTLE_AT_LEAST`] at least). Logged, never returned:
+/// the caller's answer is the body's end.
 pub(super) async fn hold_unknown(
     pool: &Pool,
     timeout: Duration,
     request: &Request,
     ended: Option<Tx>,
 ) {
+    let timeout = timeout.max(SETTLE_AT_LEAST);
     let statement = request.hold_unknown();
     let started = Instant::now();
     let mut ended = ended;

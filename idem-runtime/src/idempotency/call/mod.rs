@@ -524,7 +524,8 @@ impl<E> Call<E> {
                 .bind::<Text, _>(request.scope())
                 .bind::<Text, _>(request.key())
                 .bind::<Nullable<Binary>, _>(request.owner());
-            if let Err(e) = hold::bounded(pool, timeout, "idem.settle_claim", settle).await {
+            let within = timeout.max(hold::SETTLE_AT_LEAST);
+            if let Err(e) = hold::bounded(pool, within, "idem.settle_claim", settle).await {
                 tracing::error!(key = %request.key(), error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown");
             }
         } else if !request.external() && retry_loop.body_committed() {
