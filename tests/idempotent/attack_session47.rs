@@ -318,6 +318,22 @@ async fn attack47_a_write_committed_behind_the_end_is_held() {
         // closes at once: the stubborn write may die with the client (the
         // server's `client_connection_check_interval`), held all the same.
         let lost = pooled && i == 2 && s.ns.1 + stub == 0;
+        // A cancel can stop the stubborn `INSERT` before its check ignores
+        // cancels (the backend still running the `INSERT` itself, or
+        // between the check's sleeps: 1 case in a full run, beside a
+        // module of slow tests): nothing committed, answered so, and the
+        // key free for the repeat.
+        let stopped = !pooled
+            && i == 2
+            && s.ns.1 + stub == 0
+            && s.ans.contains("committed: false")
+            && s.rec.is_none();
+        if stopped {
+            if s.ns.0 + s.ns.2 != 0 || repeat_adds(&env, &key).await != 1 {
+                bad.push(format!("{what}: stopped, yet not free for the repeat"));
+            }
+            continue;
+        }
         if s.ns.0 + s.ns.2 != 0 || s.ns.1 + stub != 1 && !lost || s.rec.is_none() {
             bad.push(format!("{what}: record {:?}", s.rec));
         }
