@@ -6,8 +6,7 @@
 //! process and no directory of the cluster's is left behind.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use idem_testing::{start_throwaway_cluster, start_throwaway_cluster_with, Cluster, HarnessError};
@@ -351,37 +350,11 @@ fn a_cluster_in_a_static_is_stopped_when_the_process_exits() {
         return;
     }
     let before = snapshot();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "a_cluster_in_a_static_is_stopped_when_the_process_exits",
-            "--exact",
-        ])
-        .args(["--nocapture", "--test-threads=1"])
-        .env("ATTACK_CHILD", "1")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "the child failed: {out:?}");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let dir = stdout
-        .lines()
-        .find_map(|l| {
-            l.split_once("ATTACK_DIR ")
-                .map(|(_, d)| PathBuf::from(d.trim()))
-        })
-        .unwrap_or_else(|| panic!("child said: {stdout}"));
-    // The exit hook stops the server before the child exits; its backends
-    // may take a moment more.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !pids_in(&dir).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let (existed, left) = (dir.exists(), pids_in(&dir));
-    kill_left(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
+    let (dirs, left) = left_by_child("a_cluster_in_a_static_is_stopped_when_the_process_exits");
+    assert_eq!(dirs.len(), 1, "the child named {dirs:?}");
     assert!(
-        !existed && left.is_empty(),
-        "after the child exited: {} exists={existed}, server pids {left:?}",
-        dir.display()
+        left.is_empty(),
+        "left after the child exited (dir, exists, pids): {left:?}"
     );
     assert_nothing_left(&before, "after the child");
 }
@@ -418,34 +391,8 @@ fn servers_kept_in_statics_are_stopped_when_the_process_exits() {
         return;
     }
     let before = snapshot();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
-        .env("ATTACK_CHILD", "1")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "the child failed: {out:?}");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let dirs: Vec<PathBuf> = stdout
-        .lines()
-        .filter_map(|l| {
-            l.split_once("ATTACK_DIR ")
-                .map(|(_, d)| PathBuf::from(d.trim()))
-        })
-        .collect();
-    assert!(dirs.len() >= 2, "child said: {stdout}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while dirs.iter().any(|dir| !pids_in(dir).is_empty()) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let left: Vec<(PathBuf, bool, Vec<u32>)> = dirs
-        .iter()
-        .map(|dir| (dir.clone(), dir.exists(), pids_in(dir)))
-        .filter(|(_, exists, pids)| *exists || !pids.is_empty())
-        .collect();
-    for dir in &dirs {
-        kill_left(dir);
-        let _ = std::fs::remove_dir_all(dir);
-    }
+    let (dirs, left) = left_by_child(TEST);
+    assert!(dirs.len() >= 2, "the child named {dirs:?}");
     assert!(
         left.is_empty(),
         "left after the child exited (dir, exists, pids): {left:?}"

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -187,4 +188,45 @@ pub fn kill_left(dir: &Path) {
             libc::kill(pid as libc::pid_t, libc::SIGKILL);
         }
     }
+}
+
+/// A directory a child left: whether it still exists, the processes in it.
+pub type Left = (PathBuf, bool, Vec<u32>);
+
+/// Runs this binary's `test` alone in a child process with `ATTACK_CHILD`
+/// set, which prints `ATTACK_DIR <dir>` for each server it keeps in a
+/// `static` and exits. Returns those directories, and each one that is
+/// still there or still has processes in it (given 10 s: the exit hook
+/// stops the servers before the child exits, their backends may take a
+/// moment more), with what it found; whatever was left is then killed and
+/// removed, so the machine is left as found whatever the test asserts.
+pub fn left_by_child(test: &str) -> (Vec<PathBuf>, Vec<Left>) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("ATTACK_CHILD", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "the child failed: {out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let dirs: Vec<PathBuf> = stdout
+        .lines()
+        .filter_map(|l| {
+            l.split_once("ATTACK_DIR ")
+                .map(|(_, d)| PathBuf::from(d.trim()))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dirs.iter().any(|dir| !pids_in(dir).is_empty()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let left = dirs
+        .iter()
+        .map(|dir| (dir.clone(), dir.exists(), pids_in(dir)))
+        .filter(|(_, exists, pids)| *exists || !pids.is_empty())
+        .collect();
+    for dir in &dirs {
+        kill_left(dir);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    (dirs, left)
 }
