@@ -27,6 +27,19 @@
 //! [`TestDatabase::via`] says so, and keeps [`TestDatabase::url`] for its own
 //! side connections.
 //!
+//! # Nothing left behind
+//!
+//! Every server the harness starts for a caller (a [`Cluster`], a
+//! [`replica::ReplicaPair`], a [`nats::NatsServer`] or
+//! [`nats_cluster::NatsCluster`], a [`redis::RedisServer`], a
+//! [`pgbouncer::PgBouncer`]) is stopped and its directory removed when it
+//! is dropped, or when the process exits if it never is (kept in a
+//! `static` to share it between a binary's tests). A process killed by a
+//! signal runs no exit hook: what it started is left, under the temporary
+//! directory's `idem-*` names. The installed PostgreSQL programs the
+//! harness runs to completion (`initdb`, `pg_basebackup`, `pg_rewind`) are
+//! killed after two minutes and answered as [`HarnessError::Timeout`].
+//!
 //! # Example
 //!
 //! ```no_run
@@ -41,6 +54,7 @@
 
 #![warn(missing_docs)]
 
+mod bounded;
 mod cluster;
 mod database;
 mod error;

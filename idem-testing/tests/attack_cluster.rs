@@ -399,3 +399,36 @@ fn servers_kept_in_statics_are_stopped_when_the_process_exits() {
     );
     assert_nothing_left(&before, "after the child");
 }
+
+/// The same for the harness's two multi-server fixtures: a `ReplicaPair`
+/// and a `NatsCluster` kept in `static`s (never dropped) are stopped, and
+/// their directories removed, when the process exits. Before, their
+/// servers outlived the test binary.
+#[test]
+fn a_replica_pair_and_a_nats_cluster_in_statics_are_stopped_when_the_process_exits() {
+    use idem_testing::nats_cluster::NatsCluster;
+    use idem_testing::replica::{ReplicaPair, Replication};
+    static PAIR: std::sync::OnceLock<ReplicaPair> = std::sync::OnceLock::new();
+    static NATS: std::sync::OnceLock<NatsCluster> = std::sync::OnceLock::new();
+    const TEST: &str =
+        "a_replica_pair_and_a_nats_cluster_in_statics_are_stopped_when_the_process_exits";
+    if std::env::var_os("ATTACK_CHILD").is_some() {
+        let rt = rt();
+        let pair = rt
+            .block_on(ReplicaPair::start(Replication::Sync))
+            .expect("pair");
+        let nats = rt.block_on(NatsCluster::start()).expect("nats cluster");
+        println!("ATTACK_DIR {}", PAIR.get_or_init(|| pair).dir().display());
+        println!("ATTACK_DIR {}", NATS.get_or_init(|| nats).dir().display());
+        return;
+    }
+    // Also this binary's turn: another test may set `IDEM_PG_BIN`, which the child inherits.
+    let before = snapshot();
+    let (dirs, left) = left_by_child(TEST);
+    assert_eq!(dirs.len(), 2, "the child named {dirs:?}");
+    assert!(
+        left.is_empty(),
+        "left after the child exited (dir, exists, pids): {left:?}"
+    );
+    assert_nothing_left(&before, "after the child");
+}

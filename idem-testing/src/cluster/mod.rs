@@ -9,6 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use crate::bounded::{output_within, PROGRAM_BOUND};
 use crate::exit::stop_at_exit;
 use crate::privilege::Runner;
 use crate::scratch::{free_port, make_temp_dir};
@@ -143,7 +144,7 @@ impl Owned {
             .args(["-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8"])
             // The environment's locale may not be installed, which makes initdb fail; C always exists.
             .arg("--locale=C");
-        let output = run(&mut cmd, "run initdb")?;
+        let output = output_within(&mut cmd, PROGRAM_BOUND, "run initdb")?;
         if output.status.success() {
             Ok(())
         } else {
@@ -265,7 +266,9 @@ impl Drop for Cluster {
 /// directory removed when the returned value drops, or at the latest when
 /// the process exits. This blocks for the few seconds `initdb` and the
 /// server start take: inside a Tokio runtime, call it through
-/// `tokio::task::spawn_blocking`.
+/// `tokio::task::spawn_blocking`. An `initdb` still running after two
+/// minutes is killed and answered as [`HarnessError::Timeout`]; the start
+/// is bounded by `pg_ctl`'s own 60 s.
 pub fn start_throwaway_cluster() -> Result<Cluster, HarnessError> {
     Cluster::start(&[])
 }

@@ -9,8 +9,9 @@
 //! same ports with the same store directory, so it rejoins as itself.
 //!
 //! Every wait is bounded and fails with [`NatsClusterError::Wait`], naming
-//! what was awaited. Dropping the cluster stops every server by its pid
-//! (SIGTERM, then SIGKILL) and deletes the directory.
+//! what was awaited. Dropping the cluster, or the process's exit if the
+//! cluster is never dropped (kept in a `static`), stops every server by
+//! its pid (SIGTERM, then SIGKILL) and deletes the directory.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -33,10 +34,12 @@ mod node;
 use std::fmt::Write as _;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
 
+use crate::exit::stop_at_exit;
 use crate::scratch::random_u32;
 use node::{launch, Node};
 
@@ -123,6 +126,9 @@ impl NatsClusterError {
 pub struct NatsCluster {
     dir: PathBuf,
     nodes: Vec<Node>,
+    /// What stopping the cluster needs, shared with the process's exit: a
+    /// cluster never dropped (kept in a `static`) is stopped then.
+    teardown: Arc<Teardown>,
     /// The harness's own client, for stream info.
     admin: jetstream::Context,
 }
@@ -168,7 +174,17 @@ impl NatsCluster {
                 return Err(e);
             }
         };
-        let cluster = NatsCluster { dir, nodes, admin };
+        let teardown = Arc::new(Teardown {
+            dir: dir.clone(),
+            nodes: nodes.clone(),
+        });
+        stop_at_exit(&teardown, Teardown::run);
+        let cluster = NatsCluster {
+            dir,
+            nodes,
+            teardown,
+            admin,
+        };
         // JetStream answers once the servers have elected a meta leader. Asked
         // raw: async-nats 0.46 cannot parse nats-server 2.9's account info.
         let client = cluster.admin.client();
@@ -377,6 +393,20 @@ impl NatsCluster {
 
 impl Drop for NatsCluster {
     fn drop(&mut self) {
+        self.teardown.run();
+    }
+}
+
+/// The nodes (clones share each one's process) and the directory.
+#[derive(Debug)]
+struct Teardown {
+    dir: PathBuf,
+    nodes: Vec<Node>,
+}
+
+impl Teardown {
+    /// Stops every node and removes the directory; again, it does nothing.
+    fn run(&self) {
         for node in &self.nodes {
             node.stop(DROP_GRACE);
         }

@@ -17,7 +17,9 @@ use crate::HarnessError;
 #[non_exhaustive]
 pub enum ReplicaError {
     /// Finding the binaries, dropping privileges, a file operation, a
-    /// connection or a statement failed (see [`HarnessError`]).
+    /// connection or a statement failed, or an installed program ran past
+    /// the harness's bound of two minutes and was killed
+    /// ([`HarnessError::Timeout`]; see [`HarnessError`]).
     #[error(transparent)]
     Harness(#[from] HarnessError),
 

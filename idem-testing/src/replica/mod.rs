@@ -12,8 +12,12 @@
 //! `pg_stat_replication` and `synchronous_standby_names` name them.
 //!
 //! Every wait is bounded (30 s unless the caller gives a bound) and fails
-//! with a [`ReplicaError::Wait`] that names what was awaited. Dropping the
-//! pair stops every server by its pid and deletes the directory.
+//! with a [`ReplicaError::Wait`] that names what was awaited; an installed
+//! program (`initdb`, `pg_basebackup`, `pg_rewind`, `pg_ctl`) still running
+//! after two minutes is killed, with what it started, and answered as a
+//! [`HarnessError::Timeout`]. Dropping the pair, or the process's exit if
+//! the pair is never dropped (kept in a `static`), stops every server by
+//! its pid and deletes the directory.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -43,6 +47,7 @@ use std::time::Duration;
 pub use error::ReplicaError;
 use node::{find_bin_dir, make_node_dir, Node};
 
+use crate::exit::stop_at_exit;
 use crate::privilege::Runner;
 use crate::scratch::{free_port, make_temp_dir};
 use crate::{connect, HarnessError};
@@ -97,6 +102,9 @@ pub struct ReplicaPair {
     dir: PathBuf,
     runner: Arc<Runner>,
     nodes: [Node; 2],
+    /// What stopping the pair needs, shared with the process's exit: a
+    /// pair never dropped (kept in a `static`) is stopped then.
+    teardown: Arc<Teardown>,
     /// The index in `nodes` of the primary (or, between a kill and a
     /// promotion, of the killed primary).
     primary: AtomicUsize,
@@ -114,13 +122,20 @@ impl ReplicaPair {
         let pair = blocking(move || {
             let runner = Runner::for_bin_dir(find_bin_dir()?)?;
             let dir = make_temp_dir("idem-replica")?;
+            let nodes = [
+                Node::new("node_a", dir.join("node_a")),
+                Node::new("node_b", dir.join("node_b")),
+            ];
+            let teardown = Arc::new(Teardown {
+                dir: dir.clone(),
+                nodes: nodes.clone(),
+            });
+            stop_at_exit(&teardown, Teardown::run);
             // From here on, Drop owns the cleanup of whatever the next steps leave behind.
-            let mut pair = ReplicaPair {
+            let pair = ReplicaPair {
                 replication,
-                nodes: [
-                    Node::new("node_a", dir.join("node_a")),
-                    Node::new("node_b", dir.join("node_b")),
-                ],
+                nodes,
+                teardown,
                 dir,
                 runner: Arc::new(runner),
                 primary: AtomicUsize::new(0),
@@ -134,7 +149,7 @@ impl ReplicaPair {
         Ok(pair)
     }
 
-    fn build(&mut self) -> Result<(), ReplicaError> {
+    fn build(&self) -> Result<(), ReplicaError> {
         self.runner.give_dir(&self.dir)?;
         for node in &self.nodes {
             make_node_dir(&self.runner, &node.dir)?;
@@ -148,13 +163,13 @@ impl ReplicaPair {
     }
 
     /// Starts node `i` on a new free port, again when another process took it first.
-    fn start_on_free_port(&mut self, i: usize) -> Result<(), ReplicaError> {
+    fn start_on_free_port(&self, i: usize) -> Result<(), ReplicaError> {
         for attempt in 1..=PORT_ATTEMPTS {
             let port = free_port()?;
-            if port == self.nodes[1 - i].port {
+            if port == self.nodes[1 - i].port() {
                 continue;
             }
-            self.nodes[i].port = port;
+            self.nodes[i].set_port(port);
             let log_len = self.nodes[i].log_len();
             match self.nodes[i].start(&self.runner) {
                 Err(_) if attempt < PORT_ATTEMPTS && self.nodes[i].port_was_taken(log_len) => {}
@@ -202,7 +217,8 @@ impl ReplicaPair {
         format!(
             "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/{database}\
              ?target_session_attrs=read-write&connect_timeout=10",
-            a.port, b.port
+            a.port(),
+            b.port()
         )
     }
 
@@ -435,6 +451,20 @@ impl ReplicaPair {
 
 impl Drop for ReplicaPair {
     fn drop(&mut self) {
+        self.teardown.run();
+    }
+}
+
+/// The nodes (clones share each one's port and pid) and the directory.
+#[derive(Debug)]
+struct Teardown {
+    dir: PathBuf,
+    nodes: [Node; 2],
+}
+
+impl Teardown {
+    /// Stops both servers and removes the directory; again, it does nothing.
+    fn run(&self) {
         for node in &self.nodes {
             // SIGQUIT: immediate shutdown; nothing in a test pair is worth a checkpoint.
             if let Err(e) = node.stop(libc::SIGQUIT, DROP_GRACE) {

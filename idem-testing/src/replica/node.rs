@@ -8,26 +8,29 @@ use std::fs::{self, OpenOptions};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::process::{self, kill_tree, port_is_free, signal, wait_for, wait_gone};
 use super::{ReplicaError, WAIT};
+use crate::bounded::{output_within, PROGRAM_BOUND};
 use crate::privilege::Runner;
 use crate::HarnessError;
 
 /// How much of the server log an error carries.
 const LOG_TAIL: usize = 4000;
 
-/// A node: the fixed part (name, directory, port) and the pid of its
-/// postmaster while it runs, shared between clones so that `Drop` of the
-/// pair sees a server started by an operation that was still under way.
+/// A node: the fixed part (name, directory) and the port and pid of its
+/// postmaster, shared between clones so that a stop through any clone
+/// (the pair's `Drop`, the process's exit) sees a server started, or a
+/// port chosen, later or by an operation that was still under way.
 #[derive(Debug, Clone)]
 pub(crate) struct Node {
     /// Its `application_name` as a standby and its `cluster_name`.
     pub(crate) name: &'static str,
     pub(crate) dir: PathBuf,
-    pub(crate) port: u16,
+    port: Arc<AtomicU16>,
     pid: Arc<Mutex<Option<libc::pid_t>>>,
 }
 
@@ -36,9 +39,19 @@ impl Node {
         Node {
             name,
             dir,
-            port: 0,
+            port: Arc::new(AtomicU16::new(0)),
             pid: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// The port it listens on (0 before its first start).
+    pub(crate) fn port(&self) -> u16 {
+        self.port.load(Ordering::SeqCst)
+    }
+
+    /// The port of its next start.
+    pub(crate) fn set_port(&self, port: u16) {
+        self.port.store(port, Ordering::SeqCst);
     }
 
     pub(crate) fn data_dir(&self) -> PathBuf {
@@ -51,7 +64,7 @@ impl Node {
 
     /// The URL of `database` on this node alone.
     pub(crate) fn url(&self, database: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port())
     }
 
     /// A libpq connection string to this node, as a replication source for
@@ -60,7 +73,7 @@ impl Node {
     fn conninfo(&self, application_name: &str) -> String {
         format!(
             "host=127.0.0.1 port={} user=postgres dbname=postgres application_name={application_name}",
-            self.port
+            self.port()
         )
     }
 
@@ -109,7 +122,8 @@ impl Node {
         let socket_dir = self.dir.display().to_string().replace('\'', "'\\''");
         let options = format!(
             "-p {} -c cluster_name={} -c unix_socket_directories='{socket_dir}'",
-            self.port, self.name
+            self.port(),
+            self.name
         );
         let mut cmd = runner.command("pg_ctl", &self.dir);
         cmd.arg("-D")
@@ -191,8 +205,12 @@ impl Node {
         }
         self.set_pid(None);
         self.remove_lock_files();
-        if !wait_for(WAIT, || port_is_free(self.port)) {
-            return Err(self.wait_error(format!("port {} of {} to be free", self.port, self.name)));
+        if !wait_for(WAIT, || port_is_free(self.port())) {
+            return Err(self.wait_error(format!(
+                "port {} of {} to be free",
+                self.port(),
+                self.name
+            )));
         }
         Ok(())
     }
@@ -203,7 +221,7 @@ impl Node {
     /// crash recovery included, would take it for a running server.
     fn remove_lock_files(&self) {
         let _ = fs::remove_file(self.data_dir().join("postmaster.pid"));
-        let socket = format!(".s.PGSQL.{}", self.port);
+        let socket = format!(".s.PGSQL.{}", self.port());
         let _ = fs::remove_file(self.dir.join(format!("{socket}.lock")));
         let _ = fs::remove_file(self.dir.join(socket));
     }
@@ -265,11 +283,10 @@ impl Node {
         self.run(cmd, "pg_rewind").map(drop)
     }
 
-    /// Runs `cmd`, and on failure reports its stderr and the server log.
+    /// Runs `cmd` within the harness's bound for a program, and on failure
+    /// reports its stderr and the server log.
     fn run(&self, mut cmd: Command, program: &str) -> Result<Output, ReplicaError> {
-        let output = cmd
-            .output()
-            .map_err(|e| HarnessError::io(format!("run {program}"), e))?;
+        let output = output_within(&mut cmd, PROGRAM_BOUND, &format!("run {program}"))?;
         if output.status.success() {
             return Ok(output);
         }
