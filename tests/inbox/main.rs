@@ -19,6 +19,8 @@ use idem_testing::nats::TestStream;
 use idem_testing::TestDatabase;
 use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 
+mod attack_inbox;
+mod attack_inbox2;
 mod poison;
 mod redelivery;
 mod retention;

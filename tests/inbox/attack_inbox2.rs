@@ -1,0 +1,384 @@
+//! A hostile pass on the inbox, part two: a killed broker, reused ids,
+//! odd payloads and ids, requeue races, a consumer's own delivery limit.
+
+use async_nats::jetstream::stream;
+
+use super::*;
+
+async fn count(env: &Env, sql: &str) -> i64 {
+    env.client
+        .query_one(sql, &[])
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get::<_, i64>(0)
+}
+
+/// The consumer commits, the broker is SIGKILLed before the ack and comes
+/// back with its file store: the redelivery is skipped.
+#[tokio::test]
+async fn attack_broker_killed_between_commit_and_ack() {
+    let env = env().await;
+    let server = idem_testing::nats::NatsServer::start().expect("nats-server");
+    let connect =
+        || async { jetstream::new(async_nats::connect(server.url()).await.expect("connect")) };
+    let js = connect().await;
+    js.create_stream(stream::Config {
+        name: "KILLED".into(),
+        subjects: vec!["killed.>".into()],
+        storage: stream::StorageType::File,
+        ..Default::default()
+    })
+    .await
+    .expect("stream");
+    let config = pull::Config {
+        durable_name: Some("killed".into()),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let consumer = js
+        .get_stream("KILLED")
+        .await
+        .expect("stream")
+        .create_consumer(config.clone())
+        .await
+        .expect("consumer");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "kb-1");
+    js.publish_with_headers("killed.a", headers, "kb-1".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    let inbox = Inbox::new(env.pool.clone(), "killed", InboxConfig::new()).expect("inbox");
+    let first = fetch_one(&consumer).await;
+    let outcome = inbox
+        .handle("kb-1", &first.payload, delivered(&first), record_body)
+        .await
+        .expect("handled");
+    assert!(matches!(outcome, Outcome::Done(())), "{outcome:?}");
+    server.restart().expect("restart");
+    drop(first);
+    let js = connect().await;
+    let consumer: PullConsumer = loop {
+        // The stream's leader is elected again after the restart.
+        match js.get_stream("KILLED").await {
+            Ok(s) => break s.get_consumer("killed").await.expect("consumer"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
+    let report = env.run_until_settled(&inbox, &consumer, record_body).await;
+    assert_eq!(report.duplicates, 1, "{report:?}");
+    assert_eq!(env.effect_bodies().await, ["kb-1"]);
+    assert_eq!(env.record("killed", "kb-1").await, Some(("done".into(), 1)));
+}
+
+/// An id reused with another body: the inbox has no fingerprint, the second
+/// body is skipped as the first one's duplicate (by the broker within its
+/// window, by the record beyond it).
+#[tokio::test]
+async fn attack_a_reused_id_with_another_payload_is_skipped() {
+    let env = env().await;
+    let consumer = env.consumer("reused", Duration::from_secs(30)).await;
+    let inbox = Inbox::new(env.pool.clone(), "reused", InboxConfig::new()).expect("inbox");
+    env.publish("r-1", "first").await;
+    env.publish("r-1", "second").await;
+    env.run_until_settled(&inbox, &consumer, record_body).await;
+    let again = inbox
+        .handle("r-1", b"third", 1, record_body)
+        .await
+        .expect("handled");
+    assert!(matches!(again, Outcome::Duplicate), "{again:?}");
+    assert_eq!(env.effect_bodies().await, ["first"]);
+    assert_eq!(env.record("reused", "r-1").await, Some(("done".into(), 1)));
+}
+
+/// An empty payload runs and is recorded; a 900 kB poison body is parked
+/// whole; ids empty or past 255 bytes are refused with nothing recorded.
+#[tokio::test]
+async fn attack_empty_huge_payloads_and_invalid_ids() {
+    let env = env().await;
+    let consumer = env.consumer("sizes", Duration::from_secs(30)).await;
+    let config = InboxConfig::new()
+        .max_deliveries(2)
+        .backoff(Duration::from_millis(20), Duration::from_millis(20));
+    let inbox = Inbox::new(env.pool.clone(), "sizes", config).expect("inbox");
+    env.publish("empty", "").await;
+    let huge = "h".repeat(900_000);
+    env.publish("huge", &huge).await;
+    let refuse_huge = effect(|conn, payload| {
+        let body = String::from_utf8_lossy(payload).into_owned();
+        async move {
+            if body.len() > 1000 {
+                return Err(AppError::Refused("too big".into()));
+            }
+            diesel::sql_query("INSERT INTO effects (body) VALUES ($1)")
+                .bind::<Text, _>(body)
+                .execute(conn)
+                .await?;
+            Ok(())
+        }
+        .scope_boxed()
+    });
+    let report = env.run_until_settled(&inbox, &consumer, refuse_huge).await;
+    assert_eq!((report.done, report.parked), (1, 1), "{report:?}");
+    assert_eq!(env.effect_bodies().await, [""]);
+    assert_eq!(
+        count(
+            &env,
+            "SELECT octet_length(payload)::bigint FROM idem_inbox WHERE msg_id = 'huge' AND state = 'dead'"
+        )
+        .await,
+        900_000
+    );
+    for bad in [String::new(), "x".repeat(256)] {
+        let refused = inbox.handle(&bad, b"x", 1, record_body).await;
+        assert!(refused.is_err(), "{bad:?} refused");
+    }
+    assert_eq!(count(&env, "SELECT count(*) FROM idem_inbox").await, 2);
+    assert_eq!(env.effect_bodies().await.len(), 1);
+}
+
+/// Two requeues of one dead letter at once: the effect runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack_concurrent_requeues_run_a_letter_once() {
+    let env = env().await;
+    let inbox = Inbox::new(
+        env.pool.clone(),
+        "requeued",
+        InboxConfig::new().max_deliveries(1),
+    )
+    .expect("inbox");
+    let parked = inbox
+        .handle("q-1", b"q-1", 1, refuse)
+        .await
+        .expect("handled");
+    assert!(matches!(parked, Outcome::Parked { .. }), "{parked:?}");
+    let slow = || {
+        effect(|conn, payload| {
+            let body = String::from_utf8_lossy(payload).into_owned();
+            async move {
+                diesel::sql_query("INSERT INTO effects (body) VALUES ($1)")
+                    .bind::<Text, _>(body)
+                    .execute(conn)
+                    .await?;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Ok(())
+            }
+            .scope_boxed()
+        })
+    };
+    let (a, b) = tokio::join!(inbox.requeue("q-1", slow()), inbox.requeue("q-1", slow()));
+    let ran = [a.expect("a"), b.expect("b")];
+    assert_eq!(ran.iter().filter(|r| r.is_some()).count(), 1, "{ran:?}");
+    assert_eq!(env.effect_bodies().await, ["q-1"]);
+    assert_eq!(
+        env.record("requeued", "q-1").await,
+        Some(("done".into(), 2))
+    );
+}
+
+/// `purge` (one row per batch, an hour's retention) in a loop beside a live
+/// consumer: records of messages settled meanwhile are not touched, each
+/// message applies once.
+#[tokio::test]
+async fn attack_purge_beside_a_live_consumer() {
+    let env = env().await;
+    let consumer = env.consumer("purged", Duration::from_secs(30)).await;
+    let inbox = Inbox::new(env.pool.clone(), "purged", InboxConfig::new()).expect("inbox");
+    for i in 0..20 {
+        env.publish(&format!("u-{i}"), &format!("u-{i:02}")).await;
+    }
+    let purger = inbox.clone();
+    let purging = async {
+        let mut deleted = 0;
+        for _ in 0..30 {
+            deleted += purger
+                .purge(Duration::from_secs(3600), 1)
+                .await
+                .expect("purge");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        deleted
+    };
+    let (report, deleted) = tokio::join!(
+        env.run_until_settled(&inbox, &consumer, record_body),
+        purging
+    );
+    assert_eq!(report.done, 20, "{report:?}");
+    assert_eq!(deleted, 0, "nothing older than an hour");
+    assert_eq!(env.effect_bodies().await.len(), 20);
+    assert_eq!(
+        count(&env, "SELECT count(*) FROM idem_inbox WHERE state = 'done'").await,
+        20
+    );
+}
+
+/// A consumer whose own `max_deliver` is below the inbox's
+/// `max_deliveries` (default 5) stops delivering a failing message before
+/// the inbox parks it: no effect, no dead letter, gone. The docs say the
+/// delivery that reaches `max_deliveries` parks it; nothing checks that it
+/// can be reached.
+#[tokio::test]
+async fn found_a_consumer_max_deliver_below_max_deliveries_loses_the_message() {
+    let env = env().await;
+    let consumer = env
+        .stream
+        .stream()
+        .create_consumer(pull::Config {
+            durable_name: Some("limited".into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 2,
+            ..Default::default()
+        })
+        .await
+        .expect("consumer");
+    let config = InboxConfig::new().backoff(Duration::from_millis(20), Duration::from_millis(20));
+    let inbox = Inbox::new(env.pool.clone(), "limited", config).expect("inbox");
+    env.publish("lim-1", "lim-1").await;
+    let report = inbox
+        .run(
+            &consumer,
+            tokio::time::sleep(Duration::from_secs(2)),
+            refuse,
+        )
+        .await
+        .expect("run");
+    println!("{report:?}");
+    assert_eq!(report.retried, 2, "{report:?}");
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM idem_inbox WHERE consumer = 'limited'"
+        )
+        .await,
+        1,
+        "the failing message is recorded (dead) or still to come; it is neither ({report:?})"
+    );
+}
+
+/// Two deliveries of one message at once, the first failing after its write
+/// and the lock wait, under read committed and serializable: the second runs
+/// it once, after the first rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack_concurrent_deliveries_first_failing_apply_once() {
+    let env = env().await;
+    for (name, isolation) in [
+        ("rc", idem::Isolation::ReadCommitted),
+        ("ser", idem::Isolation::Serializable),
+    ] {
+        let policy = idem::RetryPolicy::new()
+            .isolation(isolation)
+            .deadline(Duration::from_secs(5));
+        let inbox =
+            Inbox::new(env.pool.clone(), name, InboxConfig::new().policy(policy)).expect("inbox");
+        let failing = effect(|conn, payload| {
+            let body = String::from_utf8_lossy(payload).into_owned();
+            async move {
+                diesel::sql_query("INSERT INTO effects (body) VALUES ($1)")
+                    .bind::<Text, _>(body)
+                    .execute(conn)
+                    .await?;
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                Err::<(), _>(AppError::Refused("late failure".into()))
+            }
+            .scope_boxed()
+        });
+        let second = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            inbox.handle("same", name.as_bytes(), 2, record_body).await
+        };
+        let (a, b) = tokio::join!(inbox.handle("same", b"failed", 1, failing), second);
+        assert!(matches!(a, Ok(Outcome::Retry { .. })), "{a:?}");
+        assert!(matches!(b, Ok(Outcome::Done(()))), "{b:?}");
+        assert_eq!(env.record(name, "same").await, Some(("done".into(), 2)));
+    }
+    assert_eq!(env.effect_bodies().await, ["rc", "ser"]);
+}
+
+/// The broker is SIGKILLed and restarted (file store) while `run` is
+/// consuming: every message applies once and the loop carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack_broker_restarted_under_a_running_loop() {
+    let env = env().await;
+    let server = std::sync::Arc::new(idem_testing::nats::NatsServer::start().expect("server"));
+    let js = jetstream::new(async_nats::connect(server.url()).await.expect("connect"));
+    js.create_stream(stream::Config {
+        name: "RESTART".into(),
+        subjects: vec!["restart.>".into()],
+        storage: stream::StorageType::File,
+        ..Default::default()
+    })
+    .await
+    .expect("stream");
+    let consumer = js
+        .get_stream("RESTART")
+        .await
+        .expect("stream")
+        .create_consumer(pull::Config {
+            durable_name: Some("restart".into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(2),
+            ..Default::default()
+        })
+        .await
+        .expect("consumer");
+    for i in 0..30 {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", format!("rs-{i:02}").as_str());
+        js.publish_with_headers("restart.a", headers, format!("rs-{i:02}").into())
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+    }
+    let config = InboxConfig::new().backoff(Duration::from_millis(100), Duration::from_millis(500));
+    let inbox = Inbox::new(env.pool.clone(), "restart", config).expect("inbox");
+    let slow = effect(|conn, payload| {
+        let body = String::from_utf8_lossy(payload).into_owned();
+        async move {
+            diesel::sql_query("INSERT INTO effects (body) VALUES ($1)")
+                .bind::<Text, _>(body)
+                .execute(conn)
+                .await?;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok(())
+        }
+        .scope_boxed()
+    });
+    let killer = std::sync::Arc::clone(&server);
+    let restart = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        tokio::task::spawn_blocking(move || killer.restart().expect("restart"))
+            .await
+            .expect("restarted");
+    });
+    let done = async {
+        let client = idem_testing::connect(env._db.url()).await.expect("side");
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(45) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM idem_inbox WHERE consumer = 'restart'",
+                    &[],
+                )
+                .await
+                .expect("count")
+                .get(0);
+            if n == 30 {
+                // Leave time for redeliveries of messages whose ack was lost.
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                return;
+            }
+        }
+    };
+    let ran = inbox.run(&consumer, done, slow).await;
+    restart.await.expect("restart task");
+    println!("{ran:?}");
+    let bodies = env.effect_bodies().await;
+    let expected: Vec<String> = (0..30).map(|i| format!("rs-{i:02}")).collect();
+    assert_eq!(bodies, expected, "each once; run {ran:?}");
+    assert!(ran.is_ok(), "{ran:?}");
+}
