@@ -373,13 +373,13 @@ async fn attack_lost_commit_answers_apply_each_message_once() {
     let inbox = Inbox::new(pool.clone(), "lost", config).expect("inbox");
     let last = Inbox::new(pool.clone(), "lost", config.max_deliveries(1)).expect("inbox");
 
-    proxy.arm("COMMIT", Fault::CutAfter);
+    proxy.arm("COMMIT\0", Fault::CutAfter);
     env.publish("after", "after").await;
     let r1 = env.run_until_settled(&inbox, &consumer, record_body).await;
-    proxy.arm("COMMIT", Fault::CutBefore);
+    proxy.arm("COMMIT\0", Fault::CutBefore);
     env.publish("before", "before").await;
     let r2 = env.run_until_settled(&inbox, &consumer, record_body).await;
-    proxy.arm("COMMIT", Fault::CutAfter);
+    proxy.arm("COMMIT\0", Fault::CutAfter);
     env.publish("last", "last").await;
     let r3 = env.run_until_settled(&last, &consumer, record_body).await;
     println!("{r1:?}\n{r2:?}\n{r3:?}");

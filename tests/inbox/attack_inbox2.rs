@@ -2,6 +2,7 @@
 //! odd payloads and ids, requeue races, a consumer's own delivery limit.
 
 use async_nats::jetstream::stream;
+use idem_testing::proxy::{Fault, Proxy};
 
 use super::*;
 
@@ -381,4 +382,99 @@ async fn attack_broker_restarted_under_a_running_loop() {
     let expected: Vec<String> = (0..30).map(|i| format!("rs-{i:02}")).collect();
     assert_eq!(bodies, expected, "each once; run {ran:?}");
     assert!(ran.is_ok(), "{ran:?}");
+}
+
+/// `purge(older_than)` deletes the records settled more than `older_than`
+/// ago and returns how many: with a retention reaching before the calendar
+/// PostgreSQL keeps (10 000 years; the CLI's parser lets up to about 292
+/// million through as `--older-than`), there are none to delete, but the
+/// purge fails with "timestamp out of range" instead.
+#[tokio::test]
+async fn found_purge_with_a_retention_past_the_calendar_fails() {
+    let env = env().await;
+    let inbox = Inbox::new(env.pool.clone(), "ancient", InboxConfig::new()).expect("inbox");
+    let outcome = inbox
+        .handle("a-1", b"a-1", 1, record_body)
+        .await
+        .expect("handled");
+    assert!(matches!(outcome, Outcome::Done(())), "{outcome:?}");
+    let purged = inbox
+        .purge(Duration::from_secs(10_000 * 365 * 86_400), 100)
+        .await;
+    assert_eq!(env.record("ancient", "a-1").await, Some(("done".into(), 1)));
+    assert!(matches!(purged, Ok(0)), "nothing that old: {purged:?}");
+}
+
+/// JetStream deduplicates by the `Nats-Msg-Id` as sent: `t-1` and `t-1 `
+/// (a trailing space) are two messages, both stored. The client trims
+/// header values as it parses them, so the inbox records both as `t-1` and
+/// skips the second one's effect.
+#[tokio::test]
+async fn found_an_id_with_trailing_space_is_taken_for_another() {
+    let env = env().await;
+    let consumer = env.consumer("spaces", Duration::from_secs(30)).await;
+    let inbox = Inbox::new(env.pool.clone(), "spaces", InboxConfig::new()).expect("inbox");
+    env.publish("t-1", "plain").await;
+    env.publish("t-1 ", "spaced").await;
+    let stored = env
+        .stream
+        .stream()
+        .clone()
+        .info()
+        .await
+        .expect("info")
+        .state
+        .messages;
+    let report = env.run_until_settled(&inbox, &consumer, record_body).await;
+    assert_eq!(stored, 2, "the broker took them for two messages");
+    assert_eq!(
+        env.effect_bodies().await,
+        ["plain", "spaced"],
+        "two messages, two effects ({report:?})"
+    );
+}
+
+/// A COMMIT held on its way to the server past `commit_timeout` (the
+/// transaction and its record's lock stay open meanwhile), on the last
+/// delivery allowed: the outcome is unknown, the park waits for the lock,
+/// and the message ends applied once or parked with nothing applied,
+/// never both, never twice.
+#[tokio::test]
+async fn attack_a_commit_held_past_its_timeout_on_the_last_delivery() {
+    let env = env().await;
+    let proxy = Proxy::start(env._db.url()).await.expect("proxy");
+    let pool = build_pool_with(
+        proxy.url(),
+        &PoolConfig {
+            max_size: 2,
+            wait_timeout: Duration::from_secs(10),
+            ..PoolConfig::default()
+        },
+    )
+    .expect("pool");
+    let policy = idem::RetryPolicy::new().commit_timeout(Duration::from_millis(300));
+    let config = InboxConfig::new().max_deliveries(1).policy(policy);
+    let inbox = Inbox::new(pool, "held", config).expect("inbox");
+    // Connections set up first: their setup's statements match no rule.
+    let warm = inbox.handle("warm", b"warm", 1, record_body).await;
+    assert!(matches!(warm, Ok(Outcome::Done(()))), "{warm:?}");
+    proxy.arm("COMMIT\0", Fault::HoldRequest(Duration::from_secs(2)));
+    let started = Instant::now();
+    let outcome = inbox.handle("h-1", b"h-1", 1, record_body).await;
+    println!("{outcome:?} after {:?}", started.elapsed());
+    assert_eq!(proxy.fired(), 1);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let record = env.record("held", "h-1").await;
+    let effects = env.effect_bodies().await;
+    match record.as_ref().map(|r| r.0.as_str()) {
+        Some("done") => assert_eq!(effects, ["h-1", "warm"], "{outcome:?}"),
+        Some("dead") => assert_eq!(effects, ["warm"], "{outcome:?}"),
+        _ => panic!("settled neither way: {record:?} {effects:?} {outcome:?}"),
+    }
+    let again = inbox.handle("h-1", b"h-1", 2, record_body).await;
+    assert!(
+        matches!(again, Ok(Outcome::Duplicate | Outcome::Dead)),
+        "{again:?}"
+    );
+    assert!(env.effect_bodies().await.len() <= 2);
 }
