@@ -26,7 +26,8 @@ async fn settled(consumer: PullConsumer, limit: Duration) {
     }
 }
 
-async fn count(env: &Env, sql: &str) -> i64 {
+/// The one `bigint` `sql` returns (a `count(*)`), read on the test's own connection.
+pub(crate) async fn count(env: &Env, sql: &str) -> i64 {
     env.client
         .query_one(sql, &[])
         .await
@@ -82,13 +83,16 @@ async fn raw_hpub(subject: &str, header: &[u8], payload: &[u8]) {
     );
 }
 
-/// Docs: "the delivery that reaches `max_deliveries` parks it as a dead
-/// letter". A message with one non-UTF-8 header value (any header) breaks
-/// the client's connection at every delivery: it is never handled, never
-/// parked, redelivered for ever, and the message published after it, lost
-/// with the same connection each time, is never applied either.
+/// A message with a header value that is not UTF-8 (any header) breaks
+/// the client's connection at every delivery (async-nats 0.46 refuses the
+/// header block and drops the connection): the inbox never sees it, so it
+/// is never handled nor parked, and the messages delivered with it are lost
+/// with the connection each time. Not fixable in idem; documented in
+/// docs/messaging.md with the way out, which this pins: the message has no
+/// record, and once an operator deletes it from the stream the messages
+/// behind it apply, once each.
 #[tokio::test]
-async fn found_a_non_utf8_header_is_never_parked() {
+async fn attack_an_unparseable_header_stalls_until_the_message_is_deleted() {
     let env = env().await;
     let consumer = env.consumer("utf8", Duration::from_secs(1)).await;
     let config = InboxConfig::new()
@@ -103,32 +107,45 @@ async fn found_a_non_utf8_header_is_never_parked() {
     )
     .await;
     env.publish("good-2", "good-2").await;
-    let ran = inbox
+    let stalled = inbox
         .run(
             &consumer,
-            tokio::time::sleep(Duration::from_secs(6)),
+            tokio::time::sleep(Duration::from_secs(4)),
             record_body,
         )
         .await;
-    let info = consumer.clone().info().await.expect("info").clone();
-    let effects = env.effect_bodies().await;
-    println!("run: {ran:?}\neffects: {effects:?}\nconsumer: {info:?}");
+    println!(
+        "stalled: {stalled:?}, effects {:?}",
+        env.effect_bodies().await
+    );
+    assert_eq!(env.record("utf8", "poison-utf8").await, None);
     assert_eq!(
-        (env.record("utf8", "poison-utf8").await, effects.clone()),
-        (
-            Some(("dead".into(), 2)),
-            vec!["good-1".to_owned(), "good-2".to_owned()]
-        ),
-        "the poison parked at max_deliveries and the message behind it applied \
-         (redelivered {}, ack pending {}, run {ran:?})",
-        info.num_redelivered,
-        info.num_ack_pending
+        count(&env, "SELECT count(*) FROM effects WHERE body = 'poison'").await,
+        0
+    );
+    // The way out: the operator deletes it by its stream sequence (2).
+    let deleted = env
+        .stream
+        .stream()
+        .clone()
+        .delete_message(2)
+        .await
+        .expect("delete the message");
+    assert!(deleted);
+    let report = env.run_until_settled(&inbox, &consumer, record_body).await;
+    assert_eq!(
+        env.effect_bodies().await,
+        ["good-1", "good-2"],
+        "each good message once ({report:?})"
     );
 }
 
-/// The same promise, with a message id PostgreSQL cannot store (a NUL):
-/// every delivery fails, the park fails too, and the message is nak'd for
-/// ever instead of parked.
+/// Found: a message id PostgreSQL cannot store (a NUL) failed every
+/// delivery, and the park too, so the message was nak'd for ever (124
+/// deliveries in 3 s) instead of parked. Such an id is now recorded by its
+/// digest (`sha256:`), like an over-long one, and applies once; given to
+/// `Inbox::handle` directly, it is refused as `InvalidId` with nothing
+/// written.
 #[tokio::test]
 async fn found_a_nul_in_the_message_id_is_never_parked() {
     let env = env().await;
@@ -139,33 +156,40 @@ async fn found_a_nul_in_the_message_id_is_never_parked() {
     let inbox = Inbox::new(env.pool.clone(), "nul", config).expect("inbox");
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", "nul\0id");
+    let derived = idem::inbox::message_id(Some(&headers), 1);
+    assert!(derived.starts_with("sha256:"), "{derived}");
     publish_with(&env, headers, b"nul").await;
-    let report = inbox
-        .run(
-            &consumer,
-            tokio::time::sleep(Duration::from_secs(3)),
-            record_body,
-        )
-        .await
-        .expect("run");
-    let info = consumer.clone().info().await.expect("info").clone();
-    println!("{report:?}\n{info:?}");
+    let report = env.run_until_settled(&inbox, &consumer, record_body).await;
+    assert_eq!((report.done, report.errors), (1, 0), "{report:?}");
+    assert_eq!(env.effect_bodies().await, ["nul"]);
+    assert_eq!(env.record("nul", &derived).await, Some(("done".into(), 1)));
+    let refused = inbox.handle("nul\0id", b"x", 1, record_body).await;
+    assert!(
+        matches!(
+            refused,
+            Err(InboxError::InvalidId {
+                what: "message id",
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(env.effect_bodies().await, ["nul"], "nothing written");
     assert_eq!(
         count(
             &env,
-            "SELECT count(*) FROM idem_inbox WHERE consumer = 'nul' AND state = 'dead'"
+            "SELECT count(*) FROM idem_inbox WHERE consumer = 'nul'"
         )
         .await,
-        1,
-        "parked after 2 deliveries; instead {report:?}, redelivered {}",
-        info.num_redelivered
+        1
     );
 }
 
-/// Distinct messages must not share a record. An anonymous message is
+/// Found: distinct messages shared a record. An anonymous message is
 /// recorded as `seq:N` and a long id as `sha256:HEX`; a producer's
-/// `Nats-Msg-Id` of that form takes the same record, and the other message
-/// is skipped as a duplicate: its effect never applies.
+/// `Nats-Msg-Id` of that form took the same record, and the other message
+/// was skipped as a duplicate: its effect never applied. A producer's id in
+/// a derived form is now recorded by its digest.
 #[tokio::test]
 async fn found_forged_ids_collide_with_derived_ids() {
     let env = env().await;
@@ -194,11 +218,13 @@ async fn found_forged_ids_collide_with_derived_ids() {
     );
 }
 
-/// The retryable docs: a body that ends the transaction by hand gets
-/// `TransactionEnded` and "is never replayed: what it committed by hand
-/// would be written again". The inbox naks it, and each redelivery runs it
-/// again: `ROLLBACK; INSERT` commits the effect without its record, once
-/// per delivery, and then parks the message as if nothing had applied.
+/// Found: the retryable docs say a body that ends the transaction by hand
+/// gets `TransactionEnded` and "is never replayed: what it committed by
+/// hand would be written again". The inbox nak'd it, and each redelivery
+/// ran it again: `ROLLBACK; INSERT` committed the effect without its
+/// record, once per delivery (3 rows), then parked the message as if
+/// nothing had applied. It is now parked at the first delivery, with the
+/// error, and termed: never run again but by an operator's requeue.
 #[tokio::test]
 async fn found_an_effect_that_rolls_back_by_hand_applies_on_every_delivery() {
     let env = env().await;
@@ -219,6 +245,15 @@ async fn found_an_effect_that_rolls_back_by_hand_applies_on_every_delivery() {
     let report = env.run_until_settled(&inbox, &consumer, rolls_back).await;
     let record = env.record("by-hand", "rb-1").await;
     println!("{report:?} {record:?}");
+    assert_eq!(record, Some(("dead".into(), 1)), "{report:?}");
+    assert_eq!((report.parked, report.retried), (1, 0), "{report:?}");
+    let letters = inbox.dead_letters(10).await.expect("dead letters");
+    assert!(
+        letters[0]
+            .last_error
+            .contains("some of what it wrote was committed"),
+        "{letters:?}"
+    );
     assert_eq!(
         env.effect_bodies().await,
         ["rb-1"],
@@ -252,6 +287,8 @@ async fn attack_an_effect_that_commits_by_hand_applies_once() {
     let report = env.run_until_settled(&inbox, &consumer, commits).await;
     println!("{report:?}");
     assert_eq!(env.effect_bodies().await, ["c-1"]);
+    // Acked at the first delivery: the record came with the effect's COMMIT.
+    assert_eq!((report.duplicates, report.retried), (1, 0), "{report:?}");
     assert_eq!(
         env.record("commits", "c-1").await.map(|r| r.0),
         Some("done".into())

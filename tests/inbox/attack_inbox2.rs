@@ -4,15 +4,8 @@
 use async_nats::jetstream::stream;
 use idem_testing::proxy::{Fault, Proxy};
 
+use super::attack_inbox::count;
 use super::*;
-
-async fn count(env: &Env, sql: &str) -> i64 {
-    env.client
-        .query_one(sql, &[])
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .get::<_, i64>(0)
-}
 
 /// The consumer commits, the broker is SIGKILLed before the ack and comes
 /// back with its file store: the redelivery is skipped.
@@ -215,47 +208,72 @@ async fn attack_purge_beside_a_live_consumer() {
     );
 }
 
-/// A consumer whose own `max_deliver` is below the inbox's
-/// `max_deliveries` (default 5) stops delivering a failing message before
-/// the inbox parks it: no effect, no dead letter, gone. The docs say the
-/// delivery that reaches `max_deliveries` parks it; nothing checks that it
-/// can be reached.
+/// Found: a consumer whose own `max_deliver` is below the inbox's
+/// `max_deliveries` (default 5) stopped delivering a failing message before
+/// the inbox parked it: no effect, no dead letter, gone (`retried: 2`, then
+/// nothing). The run loop now refuses such a consumer before pulling
+/// anything, with a typed error naming both numbers; the message stays in
+/// the stream, and a consumer that can reach the park parks it.
 #[tokio::test]
 async fn found_a_consumer_max_deliver_below_max_deliveries_loses_the_message() {
     let env = env().await;
-    let consumer = env
-        .stream
-        .stream()
-        .create_consumer(pull::Config {
-            durable_name: Some("limited".into()),
-            ack_policy: AckPolicy::Explicit,
-            ack_wait: Duration::from_secs(30),
-            max_deliver: 2,
-            ..Default::default()
-        })
+    let limited = |name: &str, max_deliver: i64| pull::Config {
+        durable_name: Some(name.into()),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(30),
+        max_deliver,
+        ..Default::default()
+    };
+    let stream = env.stream.stream();
+    let consumer = stream
+        .create_consumer(limited("limited", 2))
         .await
         .expect("consumer");
     let config = InboxConfig::new().backoff(Duration::from_millis(20), Duration::from_millis(20));
     let inbox = Inbox::new(env.pool.clone(), "limited", config).expect("inbox");
     env.publish("lim-1", "lim-1").await;
-    let report = inbox
+    let refused = inbox
         .run(
             &consumer,
             tokio::time::sleep(Duration::from_secs(2)),
             refuse,
         )
+        .await;
+    let message = match refused {
+        Err(
+            err @ RunError::MaxDeliverBelowInbox {
+                max_deliver: 2,
+                max_deliveries: 5,
+            },
+        ) => err.to_string(),
+        other => panic!("expected MaxDeliverBelowInbox {{ 2, 5 }}, got {other:?}"),
+    };
+    assert!(message.contains("max_deliver"), "{message}");
+    let info = consumer.clone().info().await.expect("info").clone();
+    assert_eq!(
+        (info.delivered.stream_sequence, info.num_pending),
+        (0, 1),
+        "nothing pulled, the message still to come"
+    );
+    // At the limit itself, the park is reached: the message is parked.
+    let at_limit = stream
+        .create_consumer(limited("at-limit", 5))
         .await
-        .expect("run");
-    println!("{report:?}");
-    assert_eq!(report.retried, 2, "{report:?}");
+        .expect("consumer");
+    let inbox = Inbox::new(env.pool.clone(), "at-limit", config).expect("inbox");
+    let report = env.run_until_settled(&inbox, &at_limit, refuse).await;
+    assert_eq!((report.retried, report.parked), (4, 1), "{report:?}");
+    assert_eq!(
+        env.record("at-limit", "lim-1").await,
+        Some(("dead".into(), 5))
+    );
     assert_eq!(
         count(
             &env,
             "SELECT count(*) FROM idem_inbox WHERE consumer = 'limited'"
         )
         .await,
-        1,
-        "the failing message is recorded (dead) or still to come; it is neither ({report:?})"
+        0
     );
 }
 
@@ -384,11 +402,12 @@ async fn attack_broker_restarted_under_a_running_loop() {
     assert!(ran.is_ok(), "{ran:?}");
 }
 
-/// `purge(older_than)` deletes the records settled more than `older_than`
-/// ago and returns how many: with a retention reaching before the calendar
-/// PostgreSQL keeps (10 000 years; the CLI's parser lets up to about 292
-/// million through as `--older-than`), there are none to delete, but the
-/// purge fails with "timestamp out of range" instead.
+/// Found: `purge(older_than)` deletes the records settled more than
+/// `older_than` ago and returns how many: with a retention reaching before
+/// the calendar PostgreSQL keeps (10 000 years; the CLI's parser lets up
+/// to about 292 million through as `--older-than`), there are none to
+/// delete, but the purge failed with "timestamp out of range". A retention
+/// past a thousand years now counts as a thousand.
 #[tokio::test]
 async fn found_purge_with_a_retention_past_the_calendar_fails() {
     let env = env().await;
@@ -407,10 +426,13 @@ async fn found_purge_with_a_retention_past_the_calendar_fails() {
 
 /// JetStream deduplicates by the `Nats-Msg-Id` as sent: `t-1` and `t-1 `
 /// (a trailing space) are two messages, both stored. The client trims
-/// header values as it parses them, so the inbox records both as `t-1` and
-/// skips the second one's effect.
+/// header values as it parses them, so the inbox sees both as `t-1`, and
+/// the second one's effect is skipped as a duplicate. Not fixable in idem
+/// (it never sees the untrimmed value): documented with
+/// `inbox::message_id`, and pinned here so that a client that stops
+/// trimming shows up.
 #[tokio::test]
-async fn found_an_id_with_trailing_space_is_taken_for_another() {
+async fn attack_ids_that_differ_in_end_spaces_are_one_id() {
     let env = env().await;
     let consumer = env.consumer("spaces", Duration::from_secs(30)).await;
     let inbox = Inbox::new(env.pool.clone(), "spaces", InboxConfig::new()).expect("inbox");
@@ -427,10 +449,11 @@ async fn found_an_id_with_trailing_space_is_taken_for_another() {
         .messages;
     let report = env.run_until_settled(&inbox, &consumer, record_body).await;
     assert_eq!(stored, 2, "the broker took them for two messages");
+    assert_eq!((report.done, report.duplicates), (1, 1), "{report:?}");
     assert_eq!(
         env.effect_bodies().await,
-        ["plain", "spaced"],
-        "two messages, two effects ({report:?})"
+        ["plain"],
+        "the second taken for the first ({report:?})"
     );
 }
 

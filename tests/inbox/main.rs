@@ -12,7 +12,7 @@ use async_nats::jetstream::{self, AckKind};
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::StreamExt;
-use idem::inbox::{Inbox, InboxConfig, Outcome, RunReport};
+use idem::inbox::{Inbox, InboxConfig, InboxError, Outcome, RunError, RunReport};
 use idem::pool::{build_pool_with, PoolConfig};
 use idem::Pool;
 use idem_testing::nats::TestStream;

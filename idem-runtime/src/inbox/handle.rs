@@ -108,6 +108,17 @@ impl Inbox {
             Ok(Handled::Ran(value)) => Ok(Outcome::Done(value)),
             Ok(Handled::Duplicate) => Ok(Outcome::Duplicate),
             Ok(Handled::Dead) => Ok(Outcome::Dead),
+            // The effect ended the transaction itself and some of its
+            // writes committed without the record (a `ROLLBACK` then a
+            // write, say): a redelivery would apply them again, as a replay
+            // would (`TransactionEnded { committed: true }` is never
+            // replayed). Parked at once, for an operator to look at.
+            Err(error) if retry_loop.body_committed() => {
+                // Its attempt, kept for a write that must come first, holds
+                // a connection the park may need (a pool of one).
+                drop(retry_loop.take_ended());
+                self.park(msg_id, payload, delivered, error).await
+            }
             Err(error) if delivered >= self.config.max_deliveries => {
                 self.park(msg_id, payload, delivered, error).await
             }
@@ -119,8 +130,9 @@ impl Inbox {
         }
     }
 
-    /// Record a message whose last allowed delivery failed as dead, in a
-    /// transaction of its own (the effect's was rolled back).
+    /// Record a message as dead, in a transaction of its own (the effect's
+    /// was rolled back): its last allowed delivery failed, or its effect
+    /// committed part of its writes by hand, without the record.
     async fn park<T, E: Display>(
         &self,
         msg_id: &str,
@@ -137,7 +149,8 @@ impl Inbox {
                 tracing::warn!(consumer = %self.consumer, msg_id, delivered, error = %text, "idem.inbox: message parked as dead");
                 Outcome::Parked { error }
             }
-            // A commit whose answer was lost had recorded it after all.
+            // A commit whose answer was lost had recorded it after all, or
+            // the effect's own `COMMIT` did.
             Recorded::Done => Outcome::Duplicate,
             Recorded::Dead => Outcome::Dead,
         })
@@ -205,7 +218,9 @@ impl Inbox {
     /// ago, `batch` rows per statement (each its own short transaction),
     /// until none is left; returns how many were deleted. Dead letters are
     /// kept. Keep `older_than` longer than any message can still be
-    /// redelivered (see the [module docs](super)).
+    /// redelivered (see the [module docs](super)); one past a thousand
+    /// years counts as a thousand (no record is older, and a time before
+    /// PostgreSQL's calendar would fail the statement).
     pub async fn purge(&self, older_than: Duration, batch: i64) -> Result<u64, InboxError> {
         let batch = batch.max(1);
         let mut conn = self.pool.get().await.map_err(Error::from)?;

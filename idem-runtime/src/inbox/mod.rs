@@ -22,6 +22,11 @@
 //! ([`Outcome::Parked`]), and stops being redelivered. Parked messages are
 //! listed by [`Inbox::dead_letters`] and run again by [`Inbox::requeue`].
 //!
+//! An effect that ends the transaction itself and has some of its writes
+//! committed without the record (`Error::TransactionEnded { committed:
+//! true }`) is parked at once, whatever the delivery: a redelivery would
+//! apply those writes again.
+//!
 //! `Inbox::run` (feature `nats`) is the pull loop over a JetStream
 //! consumer: it handles each message and only then acknowledges it (ack, or
 //! term for a parked one, or nak with the backoff delay for a retry). An ack
@@ -45,7 +50,7 @@
 //!
 //! | column | meaning |
 //! |---|---|
-//! | `consumer`, `msg_id` | the primary key: the consumer's name and the message id (`Nats-Msg-Id`, else the stream sequence) |
+//! | `consumer`, `msg_id` | the primary key: the consumer's name and the message id (`Nats-Msg-Id`, else the stream sequence; see `message_id` for the ids recorded by their digest) |
 //! | `state` | `done` (the effect committed with this row) or `dead` (parked) |
 //! | `deliveries` | the delivery count when it was settled |
 //! | `last_error`, `payload` | a dead letter's last error and body |
@@ -96,7 +101,7 @@ impl std::fmt::Debug for Inbox {
 impl Inbox {
     /// The inbox of the consumer named `consumer` (use the durable consumer's
     /// name: it is the key space of the message ids recorded). Fails when
-    /// the name is empty or longer than [`MAX_ID_BYTES`].
+    /// the name is empty, longer than [`MAX_ID_BYTES`], or holds a NUL.
     pub fn new(
         pool: Pool,
         consumer: impl Into<String>,
@@ -215,7 +220,8 @@ pub enum Outcome<T, E> {
         /// The delay before the next delivery.
         after: Duration,
     },
-    /// The effect failed on the last delivery allowed: the message is now
+    /// The effect failed on the last delivery allowed, or committed part
+    /// of its writes by hand without the record: the message is now
     /// recorded as dead with this error. Term it so it is not redelivered.
     Parked {
         /// The effect's error.
@@ -236,7 +242,7 @@ impl<T, E> Outcome<T, E> {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum InboxError {
-    /// The consumer name or message id is empty or too long.
+    /// The consumer name or message id is empty, too long, or holds a NUL.
     #[error("invalid {what}: {reason}")]
     InvalidId {
         /// Which one.
@@ -257,6 +263,8 @@ fn check_id(what: &'static str, id: &str) -> Result<(), InboxError> {
         "it is empty"
     } else if id.len() > MAX_ID_BYTES {
         "it is longer than 255 bytes"
+    } else if id.contains('\0') {
+        "it contains a NUL character, which PostgreSQL's text cannot hold"
     } else {
         return Ok(());
     };

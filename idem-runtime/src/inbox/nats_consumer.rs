@@ -51,18 +51,42 @@ pub enum RunError {
     /// The message stream kept failing.
     #[error("the consumer's message stream kept failing: {0}")]
     Messages(#[source] MessagesError),
+    /// The JetStream consumer stops redelivering a message (its
+    /// `max_deliver`) before the inbox would park it
+    /// ([`InboxConfig::max_deliveries`](super::InboxConfig::max_deliveries)):
+    /// a message that kept failing would be dropped by the broker with no
+    /// dead letter. Nothing was pulled. Raise the consumer's `max_deliver`
+    /// (or leave it unlimited), or lower `max_deliveries` to it.
+    #[error("the consumer redelivers a message at most {max_deliver} times, but the inbox parks it only at delivery {max_deliveries}: a failing message would be dropped with no dead letter; raise the consumer's max_deliver or lower max_deliveries")]
+    MaxDeliverBelowInbox {
+        /// The consumer's `max_deliver`.
+        max_deliver: i64,
+        /// The inbox's `max_deliveries`.
+        max_deliveries: u64,
+    },
 }
 
 /// The id a JetStream message is recorded under: its `Nats-Msg-Id` header
 /// (the id the stream deduplicates publishes by), else `seq:` and its
-/// stream sequence. A header longer than [`MAX_ID_BYTES`] is recorded as
-/// `sha256:` and the hex digest of it.
+/// stream sequence. A header that cannot be recorded as it is, because it
+/// is longer than [`MAX_ID_BYTES`], holds a NUL (which PostgreSQL's text
+/// cannot), or begins `seq:` or `sha256:` (the two derived forms, which a
+/// producer could otherwise forge to take another message's record), is
+/// recorded as `sha256:` and the hex digest of the whole header.
+///
+/// The client trims a header's value, so ids that differ only in spaces at
+/// either end are one id here, though the stream keeps both messages.
 ///
 /// ```
 /// let mut headers = async_nats::HeaderMap::new();
 /// headers.insert("Nats-Msg-Id", "order-17");
 /// assert_eq!(idem_runtime::inbox::message_id(Some(&headers), 9), "order-17");
 /// assert_eq!(idem_runtime::inbox::message_id(None, 9), "seq:9");
+///
+/// // A producer's id in a derived form is not taken as it is.
+/// let mut forged = async_nats::HeaderMap::new();
+/// forged.insert("Nats-Msg-Id", "seq:9");
+/// assert!(idem_runtime::inbox::message_id(Some(&forged), 1).starts_with("sha256:"));
 /// ```
 pub fn message_id(headers: Option<&HeaderMap>, stream_sequence: u64) -> String {
     let header = headers
@@ -76,13 +100,26 @@ pub fn message_id(headers: Option<&HeaderMap>, stream_sequence: u64) -> String {
         .map(|v| v.as_str())
         .filter(|id| !id.is_empty());
     match header {
-        Some(id) if id.len() <= MAX_ID_BYTES => id.to_owned(),
+        Some(id) if recordable_as_is(id) => id.to_owned(),
         Some(id) => {
             let digest = Sha256::digest(id.as_bytes());
-            format!("sha256:{}", crate::sql::to_hex(&digest))
+            format!("{HASHED}{}", crate::sql::to_hex(&digest))
         }
-        None => format!("seq:{stream_sequence}"),
+        None => format!("{SEQUENCE}{stream_sequence}"),
     }
+}
+
+/// The prefixes of the ids [`message_id`] derives.
+const SEQUENCE: &str = "seq:";
+const HASHED: &str = "sha256:";
+
+/// Whether a producer's id can be the record's id as it is: not too long,
+/// storable, and not in a form [`message_id`] derives.
+fn recordable_as_is(id: &str) -> bool {
+    id.len() <= MAX_ID_BYTES
+        && !id.contains('\0')
+        && !id.starts_with(SEQUENCE)
+        && !id.starts_with(HASHED)
 }
 
 impl Inbox {
@@ -91,7 +128,9 @@ impl Inbox {
     /// ends. One message at a time: each is acknowledged after its outcome
     /// committed, with `+ACK` (done, or a duplicate), `+TERM` (parked) or
     /// `-NAK` with the backoff delay (failed). A message being handled when
-    /// `shutdown` completes is finished first.
+    /// `shutdown` completes is finished first. Refused before anything is
+    /// pulled ([`RunError::MaxDeliverBelowInbox`]) when the consumer's
+    /// `max_deliver` is below [`InboxConfig::max_deliveries`](super::InboxConfig::max_deliveries).
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -127,6 +166,15 @@ impl Inbox {
         E: FromIdemError + Display,
         S: Future<Output = ()>,
     {
+        // Unlimited is -1 (or 0, unset); the info is as the consumer was
+        // fetched or created.
+        let max_deliver = consumer.cached_info().config.max_deliver;
+        if u64::try_from(max_deliver).is_ok_and(|n| n > 0 && n < self.config.max_deliveries) {
+            return Err(RunError::MaxDeliverBelowInbox {
+                max_deliver,
+                max_deliveries: self.config.max_deliveries,
+            });
+        }
         let mut report = RunReport::default();
         let mut messages = consumer.messages().await.map_err(RunError::Subscribe)?;
         let mut errors_in_a_row = 0;

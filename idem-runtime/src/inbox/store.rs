@@ -195,10 +195,19 @@ pub(crate) async fn purge_batch(
          LIMIT $3 FOR UPDATE SKIP LOCKED)",
     )
     .bind::<Text, _>(consumer)
-    .bind::<BigInt, _>(i64::try_from(older_than.as_micros()).unwrap_or(i64::MAX))
+    .bind::<BigInt, _>(micros(older_than.min(NO_RECORD_IS_OLDER)))
     .bind::<BigInt, _>(batch)
     .execute(conn)
     .await
+}
+
+/// A retention past which nothing is older: now() less more than about
+/// 6 700 years is before PostgreSQL's first timestamp (4713 BC), which
+/// fails the statement instead of deleting nothing.
+const NO_RECORD_IS_OLDER: Duration = Duration::from_secs(1000 * 366 * 86_400);
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 /// JetStream counts deliveries from 1; a count past `i64` cannot happen.
