@@ -19,6 +19,8 @@ use idem_testing::TestDatabase;
 use scoped_futures::ScopedFutureExt;
 use serde::{Deserialize, Serialize};
 
+mod attack_jobs;
+mod attack_jobs2;
 mod collapsing;
 mod enqueuing;
 mod ladder;
