@@ -60,7 +60,7 @@ async fn attack_the_answer_to_a_runs_commit_lost_applies_the_effect_once() {
     enqueue_new(&env, "cut-after").await;
     let proxy = Proxy::start(env.db.url()).await.expect("proxy");
     let pool = proxied_pool(&proxy).await;
-    proxy.arm("COMMIT", Fault::CutAfter);
+    proxy.arm("COMMIT\0", Fault::CutAfter);
     let w = quick(&pool);
     let _ = w.run_once().await;
     assert_eq!(proxy.fired(), 1);
@@ -78,7 +78,7 @@ async fn attack_a_runs_commit_lost_before_the_server_applies_the_effect_once_lat
     enqueue_new(&env, "cut-before").await;
     let proxy = Proxy::start(env.db.url()).await.expect("proxy");
     let pool = proxied_pool(&proxy).await;
-    proxy.arm("COMMIT", Fault::CutBefore);
+    proxy.arm("COMMIT\0", Fault::CutBefore);
     let w = quick(&pool);
     let _ = w.run_once().await;
     assert_eq!(proxy.fired(), 1);
@@ -326,4 +326,174 @@ async fn attack_requeue_and_discard_racing_each_other_and_a_worker() {
         );
         assert_eq!(requeued == 1, !discarded, "{id}: {a:?} {b:?} {discarded}");
     }
+}
+
+// ---------------------------------------------------------------------------
+// Replays, call shapes, the gap between claim and run.
+
+/// A decision whose first attempt enqueues and then meets a real 40001.
+#[retryable(max = 4, deadline_ms = 10000)]
+async fn decide_replayed(
+    conn: &mut AsyncPgConnection,
+    job: &Compensate,
+) -> Result<Enqueued, AppError> {
+    use diesel_async::RunQueryDsl;
+    let enqueued = enqueue(conn, job).await?;
+    record_effect(conn, "decision", "").await?;
+    if idem::attempt::current_attempt() == Some(1) {
+        diesel::sql_query(
+            "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access' \
+             USING ERRCODE = 'serialization_failure'; END $$",
+        )
+        .execute(conn)
+        .await?;
+    }
+    Ok(enqueued)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack_a_replayed_decision_writes_its_job_once() {
+    let env = env().await;
+    let r = decide_replayed(&env.pool, &Compensate::new("replayed"))
+        .await
+        .expect("decide");
+    assert!(r.is_new(), "{r:?}");
+    assert_eq!(env.effects("decision").await, 1);
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM idem_jobs WHERE key = 'replayed' AND collapsed = 0")
+            .await,
+        1
+    );
+}
+
+/// A decision that enqueues on a connection of its own (not the one the
+/// attempt lent it) and then rolls back.
+#[retryable(max = 1)]
+async fn decide_elsewhere(conn: &mut AsyncPgConnection, url: &str) -> Result<(), AppError> {
+    record_effect(conn, "decision-elsewhere", "").await?;
+    let mut other = AsyncPgConnection::establish(url).await.expect("connect");
+    enqueue(&mut other, &Compensate::new("elsewhere")).await?;
+    Err(AppError::Refused("roll the decision back".into()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn found_an_enqueue_on_another_connection_outlives_its_rolled_back_decision() {
+    let env = env().await;
+    let r = decide_elsewhere(&env.pool, env.db.url()).await;
+    assert!(matches!(r, Err(AppError::Refused(_))), "{r:?}");
+    assert_eq!(env.effects("decision-elsewhere").await, 0);
+    // The docs: the job is written in the attempt's transaction and exists
+    // exactly when the decision committed; outside an attempt it is
+    // refused. Here the check passed (the task runs an attempt), the job
+    // was written in autocommit on another connection, and it outlives the
+    // rolled-back decision.
+    assert_eq!(job_rows(&env, "elsewhere").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn attack_a_lease_that_runs_out_before_the_run_starts_runs_each_job_once() {
+    use diesel_async::RunQueryDsl;
+    let env = env().await;
+    for i in 0..4 {
+        enqueue_new(&env, &format!("gap-{i}")).await;
+    }
+    // One connection: the round's four runs wait for it in turn, each
+    // 300 ms, past their 100 ms lease.
+    let narrow = build_pool_with(
+        env.db.url(),
+        &PoolConfig {
+            max_size: 1,
+            wait_timeout: Duration::from_secs(10),
+            ..PoolConfig::default()
+        },
+    )
+    .expect("pool");
+    let slow = Worker::new(narrow)
+        .lease(ms(100))
+        .batch_size(4)
+        .policy(idem::RetryPolicy::new().deadline(Duration::from_secs(10)))
+        .handle(|conn, job: &Compensate| {
+            async move {
+                record_effect(conn, &job.key, "slow").await?;
+                diesel::sql_query("SELECT pg_sleep(0.3)")
+                    .execute(conn)
+                    .await?;
+                Ok::<_, AppError>(())
+            }
+            .scope_boxed()
+        });
+    let running = tokio::spawn(async move { slow.run_once().await });
+    let fast = worker(&env.pool, |_| None);
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) && !running.is_finished() {
+        fast.run_once().await.expect("round");
+        tokio::time::sleep(ms(20)).await;
+    }
+    running.await.expect("no panic").expect("round");
+    for _ in 0..3 {
+        fast.run_once().await.expect("round");
+    }
+    assert_eq!(env.scalar("SELECT count(*) FROM idem_jobs").await, 0);
+    for i in 0..4 {
+        assert_eq!(env.effects(&format!("gap-{i}")).await, 1, "gap-{i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn attack_a_commit_held_past_the_lease_is_not_claimed_meanwhile() {
+    let env = env().await;
+    enqueue_new(&env, "held").await;
+    let proxy = Proxy::start(env.db.url()).await.expect("proxy");
+    let pool = proxied_pool(&proxy).await;
+    proxy.arm("COMMIT\0", Fault::HoldRequest(ms(800)));
+    let slow = worker(&pool, |_| None).lease(ms(100));
+    let running = tokio::spawn(async move { slow.run_once().await });
+    // Its lease has run out while its COMMIT is held.
+    env.until(
+        "SELECT count(*) FROM idem_jobs WHERE state = 'running' AND locked_until < now()",
+        1,
+    )
+    .await;
+    let other = worker(&env.pool, |_| None);
+    let started = Instant::now();
+    let mut claimed = 0;
+    while started.elapsed() < ms(500) {
+        claimed += other.run_once().await.expect("round").claimed;
+        tokio::time::sleep(ms(20)).await;
+    }
+    running.await.expect("no panic").expect("round");
+    assert_eq!(proxy.fired(), 1);
+    assert_eq!(claimed, 0);
+    assert_eq!(env.effects("held").await, 1);
+    assert_eq!(job_rows(&env, "held").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn found_a_panicking_handler_strands_the_other_jobs_of_its_round() {
+    use futures_util::FutureExt;
+    use std::panic::AssertUnwindSafe;
+    let env = env().await;
+    enqueue_new(&env, "calm").await;
+    enqueue_new(&env, "boom").await;
+    let w = Worker::new(env.pool.clone()).handle(|conn, job: &Compensate| {
+        async move {
+            if job.key == "boom" {
+                panic!("handler bug");
+            }
+            tokio::time::sleep(ms(50)).await;
+            record_effect(conn, &job.key, "").await?;
+            Ok::<_, AppError>(())
+        }
+        .scope_boxed()
+    });
+    let _ = AssertUnwindSafe(w.run_once()).catch_unwind().await;
+    // `calm`'s handler has no fault: its effect commits with its end. What
+    // happens: its run is dropped with the round, and the job stays
+    // `running` until its lease (60 s) runs out.
+    let calm = env.jobs("calm").await;
+    assert_eq!(
+        (env.effects("calm").await, calm.len()),
+        (1, 0),
+        "calm: {calm:?}"
+    );
 }
