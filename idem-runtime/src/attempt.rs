@@ -15,6 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use diesel_async::AsyncPgConnection;
+
 /// Where an attempt's versioned writes report a version conflict, so the
 /// loop knows the attempt lost a race whatever error its body returns.
 #[derive(Debug, Clone, Default)]
@@ -207,6 +209,21 @@ pub(crate) fn note_read(row: RowId, version: i64) {
 /// True when the current task runs inside an attempt of a retry loop.
 pub(crate) fn inside_attempt() -> bool {
     ATTEMPT.try_with(|_| ()).is_ok()
+}
+
+/// Whether `conn` is in a transaction diesel-async counts. The connection
+/// an attempt lends its body always is; one the body opened itself and left
+/// in autocommit is not, and a row written there would commit at once,
+/// whatever became of the attempt. (One in a transaction of the body's own
+/// cannot be told from the attempt's without a look at the session, which
+/// this leaves alone.)
+pub(crate) fn in_transaction(conn: &mut AsyncPgConnection) -> bool {
+    use diesel_async::{AnsiTransactionManager, TransactionManager};
+    matches!(
+        <AnsiTransactionManager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(conn)
+            .transaction_depth(),
+        Ok(Some(_))
+    )
 }
 
 /// The attempt number (1-based) of the attempt the current task runs in, if any.

@@ -1,6 +1,9 @@
 //! SQL text with its values written in: literals for the statements idem
-//! sends as simple queries (DDL), where no parameter can be bound; and hex
-//! as PostgreSQL writes it, both ways.
+//! sends as simple queries (DDL), where no parameter can be bound; hex as
+//! PostgreSQL writes it, both ways; and spans of time for `interval`
+//! arithmetic.
+
+use std::time::Duration;
 
 /// Like PostgreSQL's `quote_literal`: single quotes doubled, and an `E''`
 /// string with doubled backslashes when there is a backslash, so the result
@@ -68,9 +71,38 @@ pub(crate) fn from_hex(text: &[u8]) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// The longest span idem puts into `interval` arithmetic: a thousand years.
+/// A `Duration` can be far longer (to 584 billion years), and `now()` plus
+/// or minus such a span is out of PostgreSQL's range (an `interval` ends
+/// near 178 million years, the calendar at 4713 BC), which fails the
+/// statement: a delay, lease or retention past it counts as a thousand
+/// years, as good as never for every one idem keeps.
+pub(crate) const LONGEST_SPAN: Duration = Duration::from_secs(1000 * 366 * 86_400);
+
+/// `d` in whole milliseconds, at most [`LONGEST_SPAN`]: the value of
+/// `$n * interval '1 millisecond'`.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.min(LONGEST_SPAN).as_millis()).unwrap_or(i64::MAX)
+}
+
+/// `d` in whole microseconds (PostgreSQL's resolution), at most
+/// [`LONGEST_SPAN`]: the value of `$n * interval '1 microsecond'`.
+pub(crate) fn micros(d: Duration) -> i64 {
+    i64::try_from(d.min(LONGEST_SPAN).as_micros()).unwrap_or(i64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spans_past_a_thousand_years_count_as_a_thousand() {
+        assert_eq!(millis(Duration::from_millis(1500)), 1500);
+        assert_eq!(micros(Duration::from_micros(7)), 7);
+        assert_eq!(millis(Duration::MAX), millis(LONGEST_SPAN));
+        assert_eq!(micros(Duration::MAX), micros(LONGEST_SPAN));
+        assert_eq!(micros(LONGEST_SPAN), 1000 * 366 * 86_400 * 1_000_000);
+    }
 
     #[test]
     fn literals_mean_the_same_under_either_string_setting() {

@@ -110,6 +110,10 @@ fn hand_worker(pool: &Pool, sql: &'static str) -> Worker {
         })
 }
 
+/// Found: a handler's `COMMIT` by hand was answered `TransactionEnded {
+/// committed: true }` and sent up the ladder like any failure, and every
+/// run committed its effect again (4 rows, then dead). Such a job is now
+/// dead at its first run, with that error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_a_handler_that_commits_by_hand_applies_its_effect_once_per_run() {
     let env = env().await;
@@ -126,8 +130,19 @@ async fn found_a_handler_that_commits_by_hand_applies_its_effect_once_per_run() 
         1,
         "one job, its effect committed once per run; jobs: {jobs:?}"
     );
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    assert_eq!((jobs[0].0.as_str(), jobs[0].1), ("dead", 1), "{jobs:?}");
+    assert!(
+        jobs[0]
+            .2
+            .as_deref()
+            .is_some_and(|e| e.contains("some of what it wrote was committed")),
+        "{jobs:?}"
+    );
 }
 
+/// Found: the same with `ROLLBACK; INSERT ..`: the `INSERT` committed on
+/// its own at every run. Now dead at the first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_a_handler_that_rolls_back_and_writes_applies_its_write_once_per_run() {
     let env = env().await;
@@ -145,11 +160,14 @@ async fn found_a_handler_that_rolls_back_and_writes_applies_its_write_once_per_r
         after, 1,
         "the write after the ROLLBACK committed on its own, once per run; jobs: {jobs:?}"
     );
+    assert_eq!((jobs[0].0.as_str(), jobs[0].1), ("dead", 1), "{jobs:?}");
 }
 
 // ---------------------------------------------------------------------------
 // Ladders and delays past the calendar.
 
+/// Found: a ladder step of `Duration::MAX` (documented for a step too long)
+/// never recorded the failure; see the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_a_ladder_step_of_duration_max_never_records_the_failure() {
     let env = env().await;
@@ -160,16 +178,28 @@ async fn found_a_ladder_step_of_duration_max_never_records_the_failure() {
     let worker = worker(&env.pool, |_| Some("cannot".to_owned()))
         .lease(ms(100))
         .ladder(ladder);
-    // Four rounds, each past the lease.
-    drive(&env, &worker, 4, ms(150)).await;
+    // Four rounds, each past the lease (and not made due by hand, as
+    // `drive` does: the wait is what is checked).
+    for _ in 0..4 {
+        let _ = worker.run_once().await;
+        tokio::time::sleep(ms(150)).await;
+    }
     // A failed run makes its job due again after the ladder's next step,
     // with its last error: one run, then a wait that never ends.
     assert_eq!(
         env.jobs("far-step").await,
         [("due".to_owned(), 1, Some("refused: cannot".to_owned()))]
     );
+    // Found: the step was written as `now() + i64::MAX ms`, out of range,
+    // and the failure was never recorded. It now counts as a thousand years.
+    let far = "SELECT count(*) FROM idem_jobs WHERE key = 'far-step' \
+               AND run_at > now() + interval '999 years'";
+    assert_eq!(env.scalar(far).await, 1);
 }
 
+/// Found: `enqueue_after` with a delay past PostgreSQL's calendar failed
+/// with "interval out of range" and took the decision down with it. A
+/// delay past a thousand years now counts as a thousand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_enqueue_after_a_delay_past_the_calendar_loses_the_decision() {
     let env = env().await;
@@ -244,6 +274,9 @@ async fn attack_an_immediate_enqueue_collapsing_into_a_delayed_one_still_waits()
 // ---------------------------------------------------------------------------
 // Handlers that panic or hang.
 
+/// Found: a panicking handler left its job `running`, claimed again after
+/// every lease with no error recorded, past the ladder. A panic is now the
+/// run's failure, recorded as "the handler panicked: ..".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_a_handler_that_panics_is_never_failed_nor_parked() {
     let env = env().await;
@@ -283,8 +316,8 @@ async fn found_a_handler_that_panics_is_never_failed_nor_parked() {
     // `running`, claimed again after every lease, no error recorded.
     let jobs = env.jobs("boom").await;
     assert_eq!(
-        (jobs[0].0.as_str(), jobs[0].1, jobs[0].2.is_some()),
-        ("dead", 2, true),
+        (jobs[0].0.as_str(), jobs[0].1, jobs[0].2.as_deref()),
+        ("dead", 2, Some("the handler panicked: handler bug")),
         "{jobs:?}"
     );
 }

@@ -380,13 +380,14 @@ async fn decide_elsewhere(conn: &mut AsyncPgConnection, url: &str) -> Result<(),
 async fn found_an_enqueue_on_another_connection_outlives_its_rolled_back_decision() {
     let env = env().await;
     let r = decide_elsewhere(&env.pool, env.db.url()).await;
-    assert!(matches!(r, Err(AppError::Refused(_))), "{r:?}");
+    // Found: the check passed (the task runs an attempt), the job was
+    // written in autocommit on another connection, and it outlived the
+    // rolled-back decision. A connection in no transaction is now refused.
+    assert!(
+        matches!(r, Err(AppError::Enqueue(EnqueueError::NoTransaction))),
+        "{r:?}"
+    );
     assert_eq!(env.effects("decision-elsewhere").await, 0);
-    // The docs: the job is written in the attempt's transaction and exists
-    // exactly when the decision committed; outside an attempt it is
-    // refused. Here the check passed (the task runs an attempt), the job
-    // was written in autocommit on another connection, and it outlives the
-    // rolled-back decision.
     assert_eq!(job_rows(&env, "elsewhere").await, 0);
 }
 
@@ -468,6 +469,9 @@ async fn attack_a_commit_held_past_the_lease_is_not_claimed_meanwhile() {
     assert_eq!(job_rows(&env, "held").await, 0);
 }
 
+/// Found: one panicking handler took the other runs of its worker's round
+/// down with it (`join_all`): a healthy job claimed beside it had no effect
+/// and stayed `running` for its lease. The panic is now that run's failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_a_panicking_handler_strands_the_other_jobs_of_its_round() {
     use futures_util::FutureExt;

@@ -7,10 +7,10 @@
 use diesel::result::Error as DieselError;
 use diesel::QueryResult;
 
-use super::request::{micros, Request, Stored};
+use super::request::{Request, Stored};
 use super::store::{Complete, Outcome, LOCK, READ_TEXT};
 use crate::pool::Row;
-use crate::sql::from_hex;
+use crate::sql::{from_hex, micros};
 use crate::tx::{Last, Opening, Session};
 
 /// The advisory lock and the read of a local request's record ([`LOCK`],

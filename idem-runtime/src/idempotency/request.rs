@@ -3,7 +3,7 @@
 //! it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
@@ -15,6 +15,7 @@ use super::{
     derived_key, fingerprint, validate_key, Field, IdempotencyConfig, Mode, MAX_STORED_DEPTH,
 };
 use crate::error::{Error, Unstorable};
+use crate::sql::micros;
 
 /// One idempotent request, validated.
 #[derive(Debug, Clone)]
@@ -395,10 +396,6 @@ pub fn lock_key(scope_hash: &str, key: &str) -> i64 {
     let mut first = [0; 8];
     first.copy_from_slice(&digest[..8]);
     i64::from_be_bytes(first)
-}
-
-pub(crate) fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 /// A token no other call holds: a hash of the process, the time and a

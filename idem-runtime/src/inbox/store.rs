@@ -9,6 +9,8 @@ use diesel::sql_types::{BigInt, Binary, Nullable, Text, Timestamp};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
+use crate::sql::micros;
+
 /// What a message's id is already recorded as, if anything.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Recorded {
@@ -195,19 +197,10 @@ pub(crate) async fn purge_batch(
          LIMIT $3 FOR UPDATE SKIP LOCKED)",
     )
     .bind::<Text, _>(consumer)
-    .bind::<BigInt, _>(micros(older_than.min(NO_RECORD_IS_OLDER)))
+    .bind::<BigInt, _>(micros(older_than))
     .bind::<BigInt, _>(batch)
     .execute(conn)
     .await
-}
-
-/// A retention past which nothing is older: now() less more than about
-/// 6 700 years is before PostgreSQL's first timestamp (4713 BC), which
-/// fails the statement instead of deleting nothing.
-const NO_RECORD_IS_OLDER: Duration = Duration::from_secs(1000 * 366 * 86_400);
-
-fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 /// JetStream counts deliveries from 1; a count past `i64` cannot happen.

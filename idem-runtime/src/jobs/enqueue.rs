@@ -54,6 +54,12 @@ pub enum EnqueueError {
     /// there is no transaction for the job to commit with.
     #[error("jobs::enqueue called outside an attempt of a retry loop: a job is written only in the transaction that decides it")]
     OutsideAttempt,
+    /// Called inside an attempt, but with a connection in no transaction:
+    /// not the one the attempt lent the body (a connection the body opened
+    /// itself, say). The job would commit at once, whatever became of the
+    /// decision. Enqueue on the attempt's connection.
+    #[error("jobs::enqueue was given a connection in no transaction, not the attempt's: the job would commit on its own, whatever became of the decision; enqueue on the connection the attempt lent")]
+    NoTransaction,
     /// The job's kind or key breaks the rules of [`Job`].
     #[error(transparent)]
     Invalid(#[from] InvalidJob),
@@ -91,7 +97,9 @@ impl Transient for EnqueueError {
 ///
 /// Refused with [`EnqueueError::OutsideAttempt`], writing nothing, when the
 /// calling task does not run an attempt of a retry loop: a run-time check,
-/// since `conn` is a plain connection. If the attempt rolls back, the job
+/// since `conn` is a plain connection; and with
+/// [`EnqueueError::NoTransaction`] when `conn` is in no transaction (a
+/// connection the body opened itself). If the attempt rolls back, the job
 /// goes with it.
 ///
 /// ```no_run
@@ -130,7 +138,7 @@ pub async fn enqueue<J: Job>(
 /// compensation usually waits for the race it lost to settle. A collapsed
 /// enqueue leaves the existing job's due time as it was; when it collapsed
 /// into a running job, the run it is owed is due at once, `delay` is not
-/// kept.
+/// kept. A delay past a thousand years counts as a thousand.
 ///
 /// ```no_run
 /// # use idem_runtime::jobs::{enqueue_after, EnqueueError, Job};
@@ -156,6 +164,9 @@ pub async fn enqueue_after<J: Job>(
 ) -> Result<Enqueued, EnqueueError> {
     if !crate::attempt::inside_attempt() {
         return Err(EnqueueError::OutsideAttempt);
+    }
+    if !crate::attempt::in_transaction(conn) {
+        return Err(EnqueueError::NoTransaction);
     }
     validate("kind", J::KIND)?;
     let key = job.key();

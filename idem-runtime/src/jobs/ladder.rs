@@ -50,7 +50,8 @@ impl Ladder {
     /// Every step multiplied by `factor` (for demos and tests: `0.01` turns
     /// 5 s, 30 s, 2 min into 50 ms, 300 ms, 1.2 s). A negative or NaN factor
     /// counts as 0; a step too long for a `Duration` is
-    /// [`Duration::MAX`].
+    /// [`Duration::MAX`], which the queue stores as a thousand years, as
+    /// any step past that.
     pub fn scaled(&self, factor: f64) -> Ladder {
         let factor = if factor.is_finite() && factor > 0.0 {
             factor

@@ -3,14 +3,17 @@
 //! deleted, or due again when an enqueue collapsed into it meanwhile), then
 //! the failure (if any) recorded against the ladder.
 
+use std::any::Any;
 use std::fmt::Display;
 use std::future::Future;
 use std::ops::ControlFlow;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
+use futures_util::FutureExt as _;
 use scoped_futures::ScopedBoxFuture;
 
 use super::store::{self, Claimed, Completed, Failed};
@@ -78,11 +81,30 @@ where
         let job = J::deserialize(payload);
         Box::pin(async move {
             let job = job.map_err(Failure::Payload)?;
-            handler(conn, &job)
-                .await
-                .map_err(|e| Failure::Handler(e.to_string()))
+            // A panic is the handler's failure like an error: it would
+            // otherwise leave the job running until its lease ran out, run
+            // it past the ladder, and take the other runs of the worker's
+            // round down with it. What the handler left on the connection
+            // is the retry loop's to clean up, as for any body that
+            // returned early.
+            match AssertUnwindSafe(handler(conn, &job)).catch_unwind().await {
+                Ok(done) => done.map_err(|e| Failure::Handler(e.to_string())),
+                Err(panic) => Err(Failure::Handler(format!(
+                    "the handler panicked: {}",
+                    panic_text(panic.as_ref())
+                ))),
+            }
         })
     })
+}
+
+/// A panic's message, when it is text.
+fn panic_text(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(a value that is not text)")
 }
 
 /// How one run ended.
@@ -93,7 +115,8 @@ pub(crate) enum Ended {
     Done,
     /// Failed; due again after the ladder's next step.
     Retry,
-    /// Failed past the ladder (or undecodable): parked as dead.
+    /// Failed past the ladder, undecodable, or committed part of its
+    /// writes by hand: parked as dead.
     Dead,
     /// A newer run of the job took over (this one outlived its lease), or
     /// the failure could not be recorded: the lease decides what is next.
@@ -161,8 +184,19 @@ pub(crate) async fn run(
         }
         Err(failure) => failure,
     };
+    // The handler ended the transaction itself and some of its writes
+    // committed without the job's end (`TransactionEnded { committed:
+    // true }`): another run would write them again, as a replay would, so
+    // the job is dead at once, for an operator to look at.
+    let committed_by_hand = retry_loop.body_committed();
+    if committed_by_hand {
+        // Its attempt, kept for a write that must come first, holds a
+        // connection the failure's record may need (a pool of one).
+        drop(retry_loop.take_ended());
+    }
     let retry_after = match failure {
         Failure::Payload(_) => None,
+        _ if committed_by_hand => None,
         _ => ladder.after_failure(job.failures()),
     };
     let error = failure.text();

@@ -10,6 +10,8 @@ use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Jsonb, Nullable, T
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
+use crate::sql::millis;
+
 #[derive(QueryableByName)]
 struct IdRow {
     #[diesel(sql_type = BigInt)]
@@ -408,9 +410,4 @@ pub(crate) async fn stats(conn: &mut AsyncPgConnection) -> Result<StatsRow, Dies
     )
     .get_result(conn)
     .await
-}
-
-/// A duration in whole milliseconds, for `interval` arithmetic in SQL.
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

@@ -171,7 +171,8 @@ impl Worker {
     /// How long a claim lasts: a worker that dies mid-job leaves the job to
     /// the others after this. Longer than a run takes (the policy's
     /// deadline), else a slow run is claimed again as soon as its
-    /// transaction ends and finds itself taken over. Default 60 s.
+    /// transaction ends and finds itself taken over. Default 60 s; one past
+    /// a thousand years counts as a thousand.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self

@@ -15,6 +15,12 @@ pub enum EmitError {
     /// transaction for the event to commit with.
     #[error("outbox::emit called outside an attempt of a retry loop: an event is written only in the business transaction it announces")]
     OutsideAttempt,
+    /// Called inside an attempt, but with a connection in no transaction:
+    /// not the one the attempt lent the body (a connection the body opened
+    /// itself, say). The event would commit at once, whatever became of the
+    /// business transaction. Emit on the attempt's connection.
+    #[error("outbox::emit was given a connection in no transaction, not the attempt's: the event would commit on its own, whatever became of the business transaction; emit on the connection the attempt lent")]
+    NoTransaction,
     /// The event's key or subject breaks the rules of [`Event`].
     #[error(transparent)]
     Invalid(#[from] InvalidEvent),
@@ -71,7 +77,9 @@ struct Seq {
 /// Refused with [`EmitError::OutsideAttempt`], writing nothing, when the
 /// calling task does not run an attempt of a retry loop. This is a run-time
 /// check: `conn` is a plain connection, so the compiler cannot tell an
-/// attempt's connection from any other.
+/// attempt's connection from any other. Refused with
+/// [`EmitError::NoTransaction`] when `conn` is in no transaction (a
+/// connection the body opened itself).
 ///
 /// Inside an `#[idempotent]` call the id is derived from the call's scope,
 /// key and the event's ordinal in the attempt (a replayed attempt counts
@@ -107,6 +115,9 @@ pub async fn emit<E: Event>(conn: &mut AsyncPgConnection, event: &E) -> Result<E
     // does not shift the ids of the ones after it.
     if !crate::attempt::inside_attempt() {
         return Err(EmitError::OutsideAttempt);
+    }
+    if !crate::attempt::in_transaction(conn) {
+        return Err(EmitError::NoTransaction);
     }
     let key = event.key();
     event::validate_key(&key)?;

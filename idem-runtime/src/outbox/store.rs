@@ -7,6 +7,8 @@ use diesel::sql_types::{Array, BigInt, Double, Integer, Jsonb, Nullable, Text, U
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use uuid::Uuid;
 
+use crate::sql::millis;
+
 use super::event::EventId;
 use super::publisher::OutboxMessage;
 
@@ -218,9 +220,4 @@ pub(crate) async fn stats(conn: &mut AsyncPgConnection) -> Result<StatsRow, dies
     )
     .get_result(conn)
     .await
-}
-
-/// A duration in whole milliseconds, for `interval` arithmetic in SQL.
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

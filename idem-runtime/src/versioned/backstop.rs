@@ -249,13 +249,9 @@ pub async fn purge_version_tombstones(
         #[diesel(sql_type = BigInt)]
         n: i64,
     }
-    // Whole microseconds, PostgreSQL's interval resolution. The SQL function
-    // caps the interval at 1000 years (no tombstone is that old), so capping
-    // here too keeps the multiplication below in range.
-    const THOUSAND_YEARS_MICROS: i64 = 1000 * 366 * 24 * 3600 * 1_000_000;
-    let micros = i64::try_from(older_than.as_micros())
-        .unwrap_or(i64::MAX)
-        .min(THOUSAND_YEARS_MICROS);
+    // The SQL function caps the interval at 1000 years (no tombstone is
+    // that old), as `micros` does, which keeps the multiplication in range.
+    let micros = crate::sql::micros(older_than);
     let purged = diesel::sql_query(
         "SELECT idem_purge_version_tombstones($1 * interval '1 microsecond') AS n",
     )
