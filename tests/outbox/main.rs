@@ -18,6 +18,8 @@ use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
+mod attack_outbox;
+mod attack_outbox2;
 mod cleanup;
 mod emitting;
 mod order;
