@@ -159,10 +159,12 @@ async fn drain<P: Publisher>(relay: &Relay<P>, env: &Env) {
 // Forged subjects
 // ---------------------------------------------------------------------------
 
-/// `Event::subject` is documented as "dot-separated tokens of visible ASCII,
-/// no wildcards", and `emit` checks exactly that. `$JS.API.STREAM.PURGE.<S>`
-/// is such a subject: the relay publishes the event as a JetStream API
-/// request, and the stream loses every event already published.
+/// Found: `Event::subject` was documented as "dot-separated tokens of
+/// visible ASCII, no wildcards", and `emit` checked exactly that.
+/// `$JS.API.STREAM.PURGE.<S>` is such a subject: the relay published the
+/// event as a JetStream API request, and the stream lost every event
+/// already published. `emit` now refuses a subject starting with `$` (and
+/// one under `_INBOX`), writing nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn found_a_subject_into_the_jetstream_api_purges_the_stream() {
     let env = env("atk_purge", Duration::from_secs(120)).await;
@@ -193,21 +195,39 @@ async fn found_a_subject_into_the_jetstream_api_purges_the_stream() {
         stored, 3,
         "the stream must still hold the three events published before (emit accepted {forged}: {accepted:?})"
     );
+    let refused = format!("{accepted:?}");
+    assert!(refused.contains("JetStream's API"), "{refused}");
+    assert_eq!(
+        states.len(),
+        3,
+        "nothing written for the forged subject: {states:?}"
+    );
+    let reply = emit_forged(&env.pool, "evil", "_INBOX.abc", &serde_json::json!({})).await;
+    assert!(format!("{reply:?}").contains("for replies"), "{reply:?}");
 }
 
 // ---------------------------------------------------------------------------
 // Forged keys
 // ---------------------------------------------------------------------------
 
-/// A key with an end space (or a no-break space) is valid for `emit` (1 to
-/// 255 bytes, no control character). The stream's `Idem-Event-Key` header,
-/// read back by async-nats (the client idem's own inbox uses), must name the
-/// key the event was emitted under.
+/// Found: a key with an end space (or a no-break space) was valid for
+/// `emit`, and the stream's `Idem-Event-Key` header, read back by
+/// async-nats (the client idem's own inbox uses), named another key (the
+/// client trims header values): `"k "`, `" k"` and `"k\u{a0}"` all read as
+/// `"k"`. `emit` now refuses white space at either end of a key; every key
+/// it takes reads back as itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn found_a_key_with_end_spaces_reads_back_as_another_key() {
     let env = env("atk_keyspace", Duration::from_secs(120)).await;
     let subject = format!("{}.k", env.stream);
-    let keys = ["k", "k ", " k", "k\u{a0}", "ключ", "a:b"];
+    for key in ["k ", " k", "k\u{a0}", "\u{3000}k"] {
+        let refused = emit_forged(&env.pool, key, &subject, &serde_json::json!({})).await;
+        assert!(
+            format!("{refused:?}").contains("white space at either end"),
+            "{key:?}: {refused:?}"
+        );
+    }
+    let keys = ["k", "k k", "ключ", "a:b"];
     for key in keys {
         emit_forged(&env.pool, key, &subject, &serde_json::json!({ "key": key }))
             .await
@@ -242,9 +262,11 @@ async fn found_a_key_with_end_spaces_reads_back_as_another_key() {
 // Forged payloads
 // ---------------------------------------------------------------------------
 
-/// The body is "the JSON event". Floats go through `jsonb` (numeric, printed
-/// in full) and back through serde_json's default (best-effort) float
-/// parser: each published float must be the float emitted.
+/// Found: the body is "the JSON event". Floats go through `jsonb` (numeric,
+/// printed in full) and back through serde_json's parser, whose default
+/// (best-effort) reading changed 931 of 3000 of them by a unit in the last
+/// place. The workspace's serde_json now reads floats exactly
+/// (`float_roundtrip`): each published float is the float emitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn found_floats_change_on_their_way_through_the_outbox() {
     let env = env("atk_floats", Duration::from_secs(120)).await;
@@ -338,12 +360,13 @@ async fn behind_a_poison<F: Future<Output = ()>>(env: &Env, poison: F) -> (i64, 
     (sent, stored)
 }
 
-/// One event whose body holds `f64::MAX` (valid JSON, valid `jsonb`,
-/// written by `emit` without complaint) must block at most its own key: "a
-/// poison event ... blocking only its key". `jsonb` prints it as 309 digits,
-/// which serde_json's default parser reads as out of range, so the claim of
-/// every round fails to decode its rows (after leasing them): nothing of any
-/// key is published, for ever.
+/// Found: one event whose body holds `f64::MAX` (valid JSON, valid
+/// `jsonb`, written by `emit` without complaint) must block at most its own
+/// key: "a poison event ... blocking only its key". `jsonb` prints it as 309
+/// digits, which serde_json's default parser read as out of range, so the
+/// claim of every round failed to decode its rows (after leasing them):
+/// nothing of any key was published, for ever. It now reads back (exact
+/// floats), and is published with the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn found_one_unreadable_body_stops_the_relay_for_every_key() {
     let env = env("atk_maxf", Duration::from_secs(120)).await;
@@ -356,14 +379,17 @@ async fn found_one_unreadable_body_stops_the_relay_for_every_key() {
     .await;
     assert_eq!(
         got,
-        (3, 3),
-        "the three events of other keys must be published past the one unreadable body"
+        (3, 4),
+        "the three events of other keys, and the f64::MAX one, are published"
     );
 }
 
-/// The same with a body nested 200 deep: `serde_json::to_value` and `jsonb`
-/// take it, serde_json's parser stops at 128 levels when the relay reads it
-/// back.
+/// Found: the same with a body nested 200 deep: `serde_json::to_value` and
+/// `jsonb` took it, serde_json's parser stops at 128 levels when the relay
+/// reads it back, and the whole batch failed. `emit` now refuses a body
+/// nested deeper than `MAX_STORED_DEPTH` (`EmitError::Unstorable`), and a
+/// row the relay cannot read back (written by hand here, as an older build
+/// could have) is parked dead at once, blocking its key only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn found_a_deeply_nested_body_stops_the_relay_for_every_key() {
     let env = env("atk_deep", Duration::from_secs(120)).await;
@@ -372,10 +398,20 @@ async fn found_a_deeply_nested_body_stops_the_relay_for_every_key() {
     for _ in 0..200 {
         deep = serde_json::json!([deep]);
     }
+    let refused = emit_forged(&env.pool, "deep", &subject, &deep).await;
+    assert!(
+        format!("{refused:?}").contains("TooDeep"),
+        "emit refuses a body nested 200 deep: {refused:?}"
+    );
     let got = behind_a_poison(&env, async {
-        emit_forged(&env.pool, "deep", &subject, &deep)
+        env.client
+            .execute(
+                "INSERT INTO idem_outbox (id, key, seq, subject, kind, version, payload) \
+                 VALUES (gen_random_uuid(), 'deep', 1, $1, 'forged', 1, $2::text::jsonb)",
+                &[&subject, &deep.to_string()],
+            )
             .await
-            .expect("emit accepts a deep body");
+            .expect("a deep row written by hand");
     })
     .await;
     assert_eq!(
@@ -383,6 +419,10 @@ async fn found_a_deeply_nested_body_stops_the_relay_for_every_key() {
         (3, 3),
         "the three events of other keys must be published past the one unreadable body"
     );
+    let dead = env
+        .scalar("SELECT count(*) FROM idem_outbox WHERE key = 'deep' AND state = 'dead' AND last_error LIKE '%cannot be read back%'")
+        .await;
+    assert_eq!(dead, 1, "the unreadable row parked dead at once");
 }
 
 /// A string holding NUL is valid JSON (`"\u0000"`) but not valid `jsonb`:

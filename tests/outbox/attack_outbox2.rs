@@ -297,71 +297,100 @@ fn uuid_of(s: &str) -> EventId {
     EventId::from(uuid::Uuid::parse_str(s).expect("uuid"))
 }
 
-/// "At start-up the relay refuses a stream whose window is shorter than its
-/// lease plus retry horizon": it checks the stream it is named, but a
-/// prefix can route every event to another stream, whose window is never
-/// checked (the publisher only logs a warning at each ack). A relay that
-/// dies after an ack then has its event stored twice, and marked sent.
+/// Found: "at start-up the relay refuses a stream whose window is shorter
+/// than its lease plus retry horizon" held for the stream the publisher is
+/// named for only: a prefix routed every event to another stream, whose
+/// window was never checked (a warning at each ack), and a relay that died
+/// after an ack had its event stored twice and marked sent once. Every
+/// publish now names the stream it must land in (`Nats-Expected-Stream`),
+/// as the rustdoc says it must ("the stream must capture it"): the server
+/// refuses an event another stream captures, which is not stored anywhere
+/// and is charged (dead after the relay's attempts), whatever that
+/// stream's window; requeued with the prefix dropped, it is published
+/// once, into the named stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn found_events_routed_to_another_stream_skip_the_window_check() {
     let env = env("atk_route", Duration::from_secs(120)).await;
-    let other = unique("ATK_OTHER");
-    env.js
-        .create_stream(stream::Config {
-            name: other.clone(),
-            subjects: vec![format!("{other}.>")],
-            duplicate_window: Duration::from_millis(200),
-            storage: stream::StorageType::Memory,
-            ..Default::default()
-        })
-        .await
-        .expect("the other stream");
-    let publisher = |env: &Env| {
-        let other = other.clone();
+    let make_stream = |window: Duration| {
+        let name = unique("ATK_OTHER");
+        let js = env.js.clone();
+        async move {
+            js.create_stream(stream::Config {
+                name: name.clone(),
+                subjects: vec![format!("{name}.>")],
+                duplicate_window: window,
+                storage: stream::StorageType::Memory,
+                ..Default::default()
+            })
+            .await
+            .expect("the other stream");
+            name
+        }
+    };
+    let short = make_stream(Duration::from_millis(200)).await;
+    let long = make_stream(Duration::from_secs(600)).await;
+    let run = |prefix: Option<String>| {
+        let pool = env.pool.clone();
         let stream = env.stream.clone();
         async move {
             let client = async_nats::connect(nats_url().await)
                 .await
                 .expect("connect");
-            NatsPublisher::new(jetstream::new(client), stream).subject_prefix(other)
+            let publisher = NatsPublisher::new(jetstream::new(client), stream.clone());
+            let publisher = match prefix {
+                Some(prefix) => publisher.subject_prefix(prefix),
+                // The named stream captures `<stream>.>`.
+                None => publisher.subject_prefix(stream),
+            };
+            let relay = Relay::new(pool, publisher.clone())
+                .lease(Duration::from_millis(300))
+                .max_attempts(2)
+                .backoff(Duration::from_millis(10), Duration::from_millis(20))
+                .listen(false);
+            // What `run` does first; the named stream's window passes.
+            publisher
+                .prepare(relay.horizon())
+                .await
+                .expect("the named stream's window covers the horizon");
+            for _ in 0..20 {
+                let round = bounded(relay.run_once()).await.expect("round");
+                if round.claimed == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
         }
     };
     change(&env.pool, "w").await.expect("change");
-    let lease = Duration::from_millis(300);
-    let crashing = tokio::spawn(
-        Relay::new(
-            env.pool.clone(),
-            CrashAfterAck {
-                inner: publisher(&env).await,
-                count: AtomicUsize::new(0),
-                crash_at: 1,
-            },
-        )
-        .lease(lease)
-        .listen(false)
-        .run(std::future::pending()),
-    );
-    assert!(
-        bounded(crashing).await.is_err(),
-        "started (the window checked was the named stream's), then died after the ack"
-    );
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let relay = Relay::new(env.pool.clone(), publisher(&env).await)
-        .lease(lease)
-        .listen(false);
-    while bounded(relay.run_once()).await.expect("round").claimed > 0 {}
+    for other in [&short, &long] {
+        run(Some(other.clone())).await;
+        let mut stream = env.js.get_stream(other).await.expect("other");
+        assert_eq!(stream.info().await.expect("info").state.messages, 0);
+        let rows = env.rows().await;
+        assert_eq!(
+            env.scalar(
+                "SELECT count(*) FROM idem_outbox WHERE state = 'dead' \
+                 AND last_error ILIKE '%expected stream%'"
+            )
+            .await,
+            1,
+            "refused by the server, stored nowhere: {rows:?}"
+        );
+        env.client
+            .execute(
+                "UPDATE idem_outbox SET state = 'pending', attempts = 0",
+                &[],
+            )
+            .await
+            .expect("requeue by hand");
+    }
+    run(None).await;
+    assert_eq!(env.stream_count().await, 1);
     assert_eq!(
         env.scalar("SELECT count(*) FROM idem_outbox WHERE state = 'sent'")
             .await,
         1
     );
-    let mut other_stream = env.js.get_stream(&other).await.expect("other");
-    let stored = other_stream.info().await.expect("info").state.messages;
-    println!(
-        "named stream holds {}, the stream the events went to holds {stored}",
-        env.stream_count().await
-    );
-    assert_eq!(stored, 1, "one event, stored {stored} times");
 }
 
 /// An `#[idempotent]` call answered from its record runs no body and emits

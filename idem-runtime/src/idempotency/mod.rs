@@ -57,6 +57,7 @@ pub use admin::{purge_expired, settle, PurgeReport, Settlement};
 pub use cache::{CacheConfig, CacheError, CacheInput, CacheStats, ReplayCache};
 pub use call::{Call, Reply};
 pub use fingerprint::Field;
+pub(crate) use request::storable_tree;
 pub use request::{lock_key, Request};
 
 /// Where the effects of an idempotent function live.

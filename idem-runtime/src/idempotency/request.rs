@@ -275,6 +275,13 @@ pub(crate) fn storable(value: &serde_json::Value, limit: usize) -> Result<(), Un
     Ok(())
 }
 
+/// [`storable`] without a size limit: no U+0000, nesting within
+/// [`MAX_STORED_DEPTH`]. For the other JSON idem stores and reads back (an
+/// outbox event, a job's payload).
+pub(crate) fn storable_tree(value: &serde_json::Value) -> Result<(), Unstorable> {
+    check_tree(value, 0)
+}
+
 fn check_tree(value: &serde_json::Value, depth: usize) -> Result<(), Unstorable> {
     use serde_json::Value;
     let nested = |depth: usize| {

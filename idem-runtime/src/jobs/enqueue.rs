@@ -5,6 +5,7 @@ use std::time::Duration;
 use diesel_async::AsyncPgConnection;
 
 use super::{store, Job, JobId};
+use crate::error::Unstorable;
 use crate::retry::{RetryCause, Transient};
 
 /// What [`enqueue`] did.
@@ -71,6 +72,17 @@ pub enum EnqueueError {
         /// What serde said.
         #[source]
         source: serde_json::Error,
+    },
+    /// The job's JSON could not be stored and read back by the worker: a
+    /// string or key with U+0000 (`jsonb` refuses it), or arrays and objects
+    /// nested deeper than [`MAX_STORED_DEPTH`](crate::idempotency::MAX_STORED_DEPTH).
+    #[error("job {kind} cannot be stored: {source}")]
+    Unstorable {
+        /// [`Job::KIND`].
+        kind: &'static str,
+        /// What is wrong with its JSON.
+        #[source]
+        source: Unstorable,
     },
     /// Jobs of this kind and key kept finishing between the insert that met
     /// them and the update that should have collapsed into them. Reported
@@ -172,6 +184,10 @@ pub async fn enqueue_after<J: Job>(
     let key = job.key();
     validate("key", &key)?;
     let payload = serde_json::to_value(job).map_err(|source| EnqueueError::Serialize {
+        kind: J::KIND,
+        source,
+    })?;
+    crate::idempotency::storable_tree(&payload).map_err(|source| EnqueueError::Unstorable {
         kind: J::KIND,
         source,
     })?;

@@ -4,6 +4,7 @@ use diesel::sql_types::{BigInt, Jsonb, Text, Uuid as SqlUuid};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use super::event::{self, Event, EventId, InvalidEvent};
+use crate::error::Unstorable;
 use crate::retry::{RetryCause, Transient};
 
 /// Why [`emit`] wrote nothing.
@@ -32,6 +33,17 @@ pub enum EmitError {
         /// What serde said.
         #[source]
         source: serde_json::Error,
+    },
+    /// The event's JSON could not be stored and read back by the relay: a
+    /// string or key with U+0000 (`jsonb` refuses it), or arrays and objects
+    /// nested deeper than [`MAX_STORED_DEPTH`](crate::idempotency::MAX_STORED_DEPTH).
+    #[error("event {kind} cannot be stored: {source}")]
+    Unstorable {
+        /// [`Event::KIND`].
+        kind: &'static str,
+        /// What is wrong with its JSON.
+        #[source]
+        source: Unstorable,
     },
     /// The insert failed. A serialization failure or a deadlock here is
     /// replayed by the retry loop like any other statement of the attempt.
@@ -124,6 +136,10 @@ pub async fn emit<E: Event>(conn: &mut AsyncPgConnection, event: &E) -> Result<E
     let subject = event.subject();
     event::validate_subject(&subject)?;
     let payload = serde_json::to_value(event).map_err(|source| EmitError::Serialize {
+        kind: E::KIND,
+        source,
+    })?;
+    crate::idempotency::storable_tree(&payload).map_err(|source| EmitError::Unstorable {
         kind: E::KIND,
         source,
     })?;

@@ -29,11 +29,15 @@ pub trait Event: Serialize {
     const VERSION: u32;
     /// The ordering key: the aggregate the event is about. Events of one
     /// key are published in commit order; 1 to 255 bytes, no control
-    /// characters.
+    /// characters, no white space at either end (it travels in the
+    /// `Idem-Event-Key` header, whose value a NATS client trims: `"k "`
+    /// would reach a consumer as `"k"`, another key's).
     fn key(&self) -> String;
     /// The subject to publish on, before the publisher's prefix. Default:
     /// [`KIND`](Self::KIND). Dot-separated tokens of visible ASCII, no
-    /// wildcards (`*`, `>`).
+    /// wildcards (`*`, `>`), and not the server's own: none whose first
+    /// token begins with `$` (`$JS.API..` would be a JetStream request, a
+    /// purge or a delete of a stream) or is `_INBOX` (replies).
     fn subject(&self) -> String {
         Self::KIND.to_owned()
     }
@@ -94,8 +98,8 @@ pub(crate) fn time_ordered_id() -> EventId {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum InvalidEvent {
-    /// The ordering key is empty, longer than 255 bytes, or has control
-    /// characters.
+    /// The ordering key is empty, longer than 255 bytes, has control
+    /// characters, or white space at either end.
     #[error("invalid event key {key:?}: {reason}")]
     Key {
         /// The key as given.
@@ -115,7 +119,8 @@ pub enum InvalidEvent {
 
 /// Check an ordering key.
 pub(crate) fn validate_key(key: &str) -> Result<(), InvalidEvent> {
-    match key_problem(key) {
+    let trimmed = |key: &str| (key.trim() != key).then_some("white space at either end");
+    match key_problem(key).or_else(|| trimmed(key)) {
         None => Ok(()),
         Some(reason) => Err(InvalidEvent::Key {
             key: key.to_owned(),
@@ -150,6 +155,10 @@ pub(crate) fn validate_subject(subject: &str) -> Result<(), InvalidEvent> {
         "empty token"
     } else if subject.split('.').any(|t| t == "*" || t == ">") {
         "wildcards are for subscribers"
+    } else if subject.starts_with('$') {
+        "`$` subjects are the server's and JetStream's API"
+    } else if subject.split('.').next() == Some("_INBOX") {
+        "`_INBOX` subjects are for replies"
     } else {
         return Ok(());
     };

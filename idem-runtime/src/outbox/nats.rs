@@ -1,7 +1,7 @@
 //! The NATS JetStream publisher (feature `nats`).
 
 use async_nats::connection::State;
-use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
+use async_nats::header::{HeaderMap, NATS_EXPECTED_STREAM, NATS_MESSAGE_ID};
 use async_nats::jetstream::context::{
     GetStreamError, PublishError as JsPublishError, PublishErrorKind,
 };
@@ -22,7 +22,11 @@ use super::publisher::{Horizon, OutboxMessage, PrepareError, PublishError, Publi
 ///   (`prefix.subject`); the stream must capture it.
 /// * At start-up ([`Publisher::prepare`]) it refuses a stream whose
 ///   `duplicate_window` is shorter than the relay's
-///   [`horizon`](super::Relay::horizon).
+///   [`horizon`](super::Relay::horizon). Every publish names that stream
+///   (`Nats-Expected-Stream`): an event whose subject another stream
+///   captures (a prefix can route there) is refused by the server, not
+///   stored, and counts against the event (dead after the relay's
+///   attempts), since that stream's window was never checked.
 /// * It tells an unavailable server from a refusal without reading error
 ///   text. [Unavailable](PublishError::unavailable): the client is not
 ///   connected (nothing is sent then), the client could not take the
@@ -112,15 +116,22 @@ impl Publisher for NatsPublisher {
         let seq = message.seq.to_string();
         let fields = [
             ("Nats-Msg-Id", id.as_str()),
+            ("Nats-Expected-Stream", self.stream.as_str()),
             ("Idem-Event-Kind", message.kind.as_str()),
             ("Idem-Event-Version", version.as_str()),
             ("Idem-Event-Key", message.key.as_str()),
             ("Idem-Event-Seq", seq.as_str()),
         ];
         let mut headers = HeaderMap::new();
-        // The standard name, which the server reads; the others are ours.
+        // The standard names, which the server reads; the others are ours.
         headers.insert(NATS_MESSAGE_ID, id.as_str());
-        for (name, value) in &fields[1..] {
+        // Stored in the stream whose duplicate window the start-up check
+        // read, or refused by the server: another stream that captured the
+        // subject (through a prefix, say) could have a shorter window, and
+        // an event published again after a relay died past its ack would
+        // be stored twice there.
+        headers.insert(NATS_EXPECTED_STREAM, self.stream.as_str());
+        for (name, value) in &fields[2..] {
             headers.insert(*name, *value);
         }
         let body = serde_json::to_vec(&message.payload).map_err(PublishError::from_source)?;
@@ -150,11 +161,6 @@ impl Publisher for NatsPublisher {
             }
             Err(error) => return Err(classify(error)),
         };
-        if ack.stream != self.stream {
-            // Another stream captured the subject: acked, but not where the
-            // duplicate window was checked.
-            tracing::warn!(expected = %self.stream, stream = %ack.stream, "outbox event stored in another stream than the one checked at start-up");
-        }
         stored(&ack)
     }
 

@@ -332,11 +332,21 @@ impl<P: Publisher> Relay<P> {
     /// but not marked are published again after their lease.
     pub async fn run_once(&self) -> Result<Round, RelayError> {
         let mut conn = self.pool.get().await?;
-        let claimed = store::claim(&mut conn, i64::from(self.batch_size), self.lease).await?;
+        let store::Claim {
+            readable: claimed,
+            unreadable,
+        } = store::claim(&mut conn, i64::from(self.batch_size), self.lease).await?;
+        // No later round reads them better: dead at once, each blocking its
+        // own key only.
+        for (message, error) in &unreadable {
+            tracing::error!(event_id = %message.id, key = %message.key, seq = message.seq, error, "outbox event parked as dead: its body cannot be read back; its key is blocked until it is discarded");
+            store::mark_failed(&mut conn, message.id.0, error, 1, Duration::ZERO).await?;
+        }
         // The connection goes back to the pool while the broker is called.
         drop(conn);
         let mut round = Round {
-            claimed: claimed.len(),
+            claimed: claimed.len() + unreadable.len(),
+            failed: unreadable.len(),
             ..Round::default()
         };
         // Every claimed event is the head of its own key, so they may be
@@ -373,7 +383,7 @@ impl<P: Publisher> Relay<P> {
                 .unzip();
             store::release(&mut conn, &ids, &errors).await?;
         }
-        round.failed = refused.len();
+        round.failed += refused.len();
         for (message, error) in refused {
             self.record_failure(&mut conn, message, &error.to_string())
                 .await?;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use diesel::sql_types::{Array, BigInt, Double, Integer, Jsonb, Nullable, Text, Uuid as SqlUuid};
+use diesel::sql_types::{Array, BigInt, Double, Integer, Nullable, Text, Uuid as SqlUuid};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use uuid::Uuid;
 
@@ -48,7 +48,7 @@ WITH due AS (
 UPDATE idem_outbox o
 SET lease_until = clock_timestamp() + $2 * interval '1 millisecond'
 FROM due WHERE o.id = due.id
-RETURNING o.id, o.key, o.seq, o.subject, o.kind, o.version, o.payload, o.attempts";
+RETURNING o.id, o.key, o.seq, o.subject, o.kind, o.version, o.payload::text AS payload, o.attempts";
 
 #[derive(diesel::QueryableByName)]
 struct Claimed {
@@ -64,10 +64,21 @@ struct Claimed {
     kind: String,
     #[diesel(sql_type = BigInt)]
     version: i64,
-    #[diesel(sql_type = Jsonb)]
-    payload: serde_json::Value,
+    /// As text, read row by row: one row that cannot be read back must
+    /// not fail the whole batch, and with it every key's next event.
+    #[diesel(sql_type = Text)]
+    payload: String,
     #[diesel(sql_type = Integer)]
     attempts: i32,
+}
+
+/// What a claim leased: the events to publish, and those whose stored body
+/// cannot be read back (written before `emit` checked it, or by hand), each
+/// with the reader's error and its payload `null`.
+#[derive(Debug, Default)]
+pub(crate) struct Claim {
+    pub(crate) readable: Vec<OutboxMessage>,
+    pub(crate) unreadable: Vec<(OutboxMessage, String)>,
 }
 
 /// Claim up to `batch` heads for `lease`.
@@ -75,25 +86,37 @@ pub(crate) async fn claim(
     conn: &mut AsyncPgConnection,
     batch: i64,
     lease: Duration,
-) -> Result<Vec<OutboxMessage>, diesel::result::Error> {
+) -> Result<Claim, diesel::result::Error> {
     let rows: Vec<Claimed> = diesel::sql_query(CLAIM_SQL)
         .bind::<BigInt, _>(batch)
         .bind::<BigInt, _>(millis(lease))
         .load(conn)
         .await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| OutboxMessage {
+    let mut claim = Claim::default();
+    for r in rows {
+        let read = serde_json::from_str(&r.payload);
+        let mut message = OutboxMessage {
             id: EventId(r.id),
             key: r.key,
             seq: r.seq,
             subject: r.subject,
             kind: r.kind,
             version: r.version,
-            payload: r.payload,
+            payload: serde_json::Value::Null,
             attempts: r.attempts,
-        })
-        .collect())
+        };
+        match read {
+            Ok(payload) => {
+                message.payload = payload;
+                claim.readable.push(message);
+            }
+            Err(e) => claim.unreadable.push((
+                message,
+                format!("the stored event cannot be read back as JSON: {e}"),
+            )),
+        }
+    }
+    Ok(claim)
 }
 
 /// Mark acked events sent. Whoever holds the lease now, the broker has them.
