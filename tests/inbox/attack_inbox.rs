@@ -26,6 +26,23 @@ async fn settled(consumer: PullConsumer, limit: Duration) {
     }
 }
 
+/// A durable consumer `name` (`ack_wait`) and its inbox, which parks a
+/// message at delivery `max_deliveries` and asks for the next one after
+/// 20 ms.
+pub(crate) async fn quick_inbox(
+    env: &Env,
+    name: &str,
+    ack_wait: Duration,
+    max_deliveries: u64,
+) -> (PullConsumer, Inbox) {
+    let consumer = env.consumer(name, ack_wait).await;
+    let config = InboxConfig::new()
+        .max_deliveries(max_deliveries)
+        .backoff(Duration::from_millis(20), Duration::from_millis(20));
+    let inbox = Inbox::new(env.pool.clone(), name, config).expect("inbox");
+    (consumer, inbox)
+}
+
 /// The one `bigint` `sql` returns (a `count(*)`), read on the test's own connection.
 pub(crate) async fn count(env: &Env, sql: &str) -> i64 {
     env.client
@@ -94,11 +111,7 @@ async fn raw_hpub(subject: &str, header: &[u8], payload: &[u8]) {
 #[tokio::test]
 async fn attack_an_unparseable_header_stalls_until_the_message_is_deleted() {
     let env = env().await;
-    let consumer = env.consumer("utf8", Duration::from_secs(1)).await;
-    let config = InboxConfig::new()
-        .max_deliveries(2)
-        .backoff(Duration::from_millis(20), Duration::from_millis(20));
-    let inbox = Inbox::new(env.pool.clone(), "utf8", config).expect("inbox");
+    let (consumer, inbox) = quick_inbox(&env, "utf8", Duration::from_secs(1), 2).await;
     env.publish("good-1", "good-1").await;
     raw_hpub(
         env.stream.subject(),
@@ -149,11 +162,7 @@ async fn attack_an_unparseable_header_stalls_until_the_message_is_deleted() {
 #[tokio::test]
 async fn found_a_nul_in_the_message_id_is_never_parked() {
     let env = env().await;
-    let consumer = env.consumer("nul", Duration::from_secs(30)).await;
-    let config = InboxConfig::new()
-        .max_deliveries(2)
-        .backoff(Duration::from_millis(20), Duration::from_millis(20));
-    let inbox = Inbox::new(env.pool.clone(), "nul", config).expect("inbox");
+    let (consumer, inbox) = quick_inbox(&env, "nul", Duration::from_secs(30), 2).await;
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", "nul\0id");
     let derived = idem::inbox::message_id(Some(&headers), 1);
@@ -228,11 +237,7 @@ async fn found_forged_ids_collide_with_derived_ids() {
 #[tokio::test]
 async fn found_an_effect_that_rolls_back_by_hand_applies_on_every_delivery() {
     let env = env().await;
-    let consumer = env.consumer("by-hand", Duration::from_secs(30)).await;
-    let config = InboxConfig::new()
-        .max_deliveries(3)
-        .backoff(Duration::from_millis(20), Duration::from_millis(20));
-    let inbox = Inbox::new(env.pool.clone(), "by-hand", config).expect("inbox");
+    let (consumer, inbox) = quick_inbox(&env, "by-hand", Duration::from_secs(30), 3).await;
     env.publish("rb-1", "rb-1").await;
     let rolls_back = effect(|conn, _payload| {
         async move {
@@ -266,11 +271,7 @@ async fn found_an_effect_that_rolls_back_by_hand_applies_on_every_delivery() {
 #[tokio::test]
 async fn attack_an_effect_that_commits_by_hand_applies_once() {
     let env = env().await;
-    let consumer = env.consumer("commits", Duration::from_secs(30)).await;
-    let config = InboxConfig::new()
-        .max_deliveries(3)
-        .backoff(Duration::from_millis(20), Duration::from_millis(20));
-    let inbox = Inbox::new(env.pool.clone(), "commits", config).expect("inbox");
+    let (consumer, inbox) = quick_inbox(&env, "commits", Duration::from_secs(30), 3).await;
     env.publish("c-1", "c-1").await;
     let commits = effect(|conn, payload| {
         let body = String::from_utf8_lossy(payload).into_owned();

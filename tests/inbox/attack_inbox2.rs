@@ -4,7 +4,7 @@
 use async_nats::jetstream::stream;
 use idem_testing::proxy::{Fault, Proxy};
 
-use super::attack_inbox::count;
+use super::attack_inbox::{count, quick_inbox};
 use super::*;
 
 /// The consumer commits, the broker is SIGKILLed before the ack and comes
@@ -92,11 +92,7 @@ async fn attack_a_reused_id_with_another_payload_is_skipped() {
 #[tokio::test]
 async fn attack_empty_huge_payloads_and_invalid_ids() {
     let env = env().await;
-    let consumer = env.consumer("sizes", Duration::from_secs(30)).await;
-    let config = InboxConfig::new()
-        .max_deliveries(2)
-        .backoff(Duration::from_millis(20), Duration::from_millis(20));
-    let inbox = Inbox::new(env.pool.clone(), "sizes", config).expect("inbox");
+    let (consumer, inbox) = quick_inbox(&env, "sizes", Duration::from_secs(30), 2).await;
     env.publish("empty", "").await;
     let huge = "h".repeat(900_000);
     env.publish("huge", &huge).await;

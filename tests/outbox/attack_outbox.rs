@@ -30,30 +30,6 @@ impl Event for Forged {
     }
 }
 
-/// Floats, published as a bare JSON array.
-struct Floats {
-    key: String,
-    subject: String,
-    values: Vec<f64>,
-}
-
-impl Serialize for Floats {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.values.serialize(s)
-    }
-}
-
-impl Event for Floats {
-    const KIND: &'static str = "floats";
-    const VERSION: u32 = 1;
-    fn key(&self) -> String {
-        self.key.clone()
-    }
-    fn subject(&self) -> String {
-        self.subject.clone()
-    }
-}
-
 #[retryable(max = 5, deadline_ms = 30000)]
 async fn emit_forged(
     conn: &mut AsyncPgConnection,
@@ -72,21 +48,9 @@ async fn emit_forged(
     .await?)
 }
 
-#[retryable(max = 5, deadline_ms = 30000)]
-async fn emit_floats(
-    conn: &mut AsyncPgConnection,
-    subject: &str,
-    values: &[f64],
-) -> Result<EventId, AppError> {
-    Ok(emit(
-        conn,
-        &Floats {
-            key: "floats".to_owned(),
-            subject: subject.to_owned(),
-            values: values.to_vec(),
-        },
-    )
-    .await?)
+/// Floats, published as a bare JSON array, under the key `floats`.
+async fn emit_floats(pool: &Pool, subject: &str, values: &[f64]) -> Result<EventId, AppError> {
+    emit_forged(pool, "floats", subject, &serde_json::json!(values)).await
 }
 
 /// One message as the stream holds it: subject, headers as async-nats

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use idem::outbox::{OutboxMessage, PublishError, Published, Publisher};
 use idem_testing::proxy::{Fault, Proxy};
 
+use super::poison::FailFor;
 use super::*;
 
 /// The real publisher, except that the `crash_at`-th publish panics after
@@ -29,22 +30,6 @@ impl Publisher for CrashAfterAck {
     }
     async fn check(&self) -> Result<(), PublishError> {
         self.inner.check().await
-    }
-}
-
-/// Events of `key` are refused while `failing`.
-struct FailFor {
-    inner: NatsPublisher,
-    key: String,
-    failing: Arc<AtomicBool>,
-}
-
-impl Publisher for FailFor {
-    async fn publish(&self, message: &OutboxMessage) -> Result<Published, PublishError> {
-        if message.key == self.key && self.failing.load(Ordering::SeqCst) {
-            return Err(PublishError::new("refused by the test"));
-        }
-        self.inner.publish(message).await
     }
 }
 

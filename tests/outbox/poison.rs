@@ -9,10 +9,10 @@ use idem::outbox::{requeue_key, OutboxMessage, PublishError, Published, Publishe
 use super::*;
 
 /// The real publisher, except that events of `key` fail while `failing`.
-struct FailFor {
-    inner: NatsPublisher,
-    key: String,
-    failing: Arc<AtomicBool>,
+pub(crate) struct FailFor {
+    pub(crate) inner: NatsPublisher,
+    pub(crate) key: String,
+    pub(crate) failing: Arc<AtomicBool>,
 }
 
 impl Publisher for FailFor {
