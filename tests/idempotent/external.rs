@@ -409,3 +409,57 @@ async fn external_phase_3_with_a_savepoint_open_commits_nothing_and_holds_the_ke
     assert!(matches_idem(&again, "OutcomeUnknown"), "{again:?}");
     assert_eq!(env.effects("sent:x-savepoint").await, 0);
 }
+
+/// One attempt, and a `commit_timeout_ms` the claim's `COMMIT` outlasts.
+#[idempotent(key = cmd.key, operation = "ext.send", fingerprint(cmd.target, cmd.amount), mode = external, scope = none)]
+#[retryable(max = 1, deadline_ms = 30000, commit_timeout_ms = 50)]
+async fn send_once_in_50ms(
+    db: &mut Deferred<'_>,
+    cmd: &SendCmd,
+    target: &Target,
+) -> Result<String, AppError> {
+    target.call(db, cmd).await
+}
+
+/// The claim's `COMMIT` unanswered within `commit_timeout_ms` (a 300 ms
+/// deferred check on the record, against 50): the one attempt is spent on
+/// the claim, the call ends `Exhausted` before its body runs, and the claim
+/// is released, not held as outcome unknown: nothing was sent. A retry runs
+/// the body once. (CI's session-51 run met this at 1 ms under load.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_external_claim_unanswered_in_time_is_released_with_no_body_run() {
+    let env = env(2).await;
+    if env.db.via().is_transaction_pooling() {
+        return; // no cancel behind a transaction pooler: the claim commits late (docs/pooling.md)
+    }
+    let slow = "CREATE FUNCTION slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+          BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$;
+        CREATE CONSTRAINT TRIGGER slow_claim AFTER INSERT ON idem_requests
+          DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.key = 'x-slow-claim')
+          EXECUTE FUNCTION slow_claim()";
+    env.client.batch_execute(slow).await.unwrap();
+    let target = Target::default();
+    let cmd = send_cmd("x-slow-claim", 1);
+    let result = send_once_in_50ms(&env.pool, &cmd, &target).await;
+    assert!(
+        matches!(
+            result,
+            Err(AppError::Idem(idem::Error::Exhausted { attempts: 1, .. }))
+        ),
+        "{result:?}"
+    );
+    assert_eq!(target.started.available_permits(), 0, "the body never ran");
+    let free = || async { env.record("x-slow-claim").await.is_none() };
+    assert!(
+        eventually(Duration::from_secs(10), free).await,
+        "the claim is released"
+    );
+    env.client
+        .batch_execute("DROP TRIGGER slow_claim ON idem_requests")
+        .await
+        .unwrap();
+    let again = send_once_in_50ms(&env.pool, &cmd, &target).await.unwrap();
+    assert!(!again.replayed);
+    assert_eq!(env.effects("sent:x-slow-claim").await, 1);
+    assert_eq!(target.started.available_permits(), 1);
+}
