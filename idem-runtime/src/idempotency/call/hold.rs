@@ -5,15 +5,16 @@
 //! on the attempt's own connection, or, that connection lost, on one
 //! outside the pool; else through the pool. A call dropped first hands its
 //! transaction to a task that does the same (`after_body_commit`). And the
-//! bounded statement external mode settles its claim with.
+//! bounded statements external mode settles its claim with.
 
 use std::time::{Duration, Instant};
 
+use diesel::sql_types::{Binary, Nullable, Text};
 use diesel_async::RunQueryDsl;
 use scoped_futures::ScopedFutureExt;
 
 use super::super::request::Request;
-use super::super::store::HoldUnknown;
+use super::super::store::{self, HoldUnknown};
 use crate::error::Error;
 use crate::pool::Pool;
 use crate::retry::{retry, RetryPolicy};
@@ -236,6 +237,64 @@ where
     retry(pool, policy, name, |conn| {
         let statement = statement.clone();
         async move { statement.execute(conn).await.map_err(Error::Database) }.scope_boxed()
+    })
+    .await
+}
+
+/// Settle this call's external claim by `statement` (`store::RELEASE` or
+/// `store::MARK_UNKNOWN`), within `timeout`.
+pub(super) async fn settle(
+    pool: &Pool,
+    timeout: Duration,
+    request: &Request,
+    statement: &'static str,
+) -> Result<usize, Error> {
+    bounded(
+        pool,
+        timeout,
+        "idem.settle_claim",
+        settling(request, statement),
+    )
+    .await
+}
+
+fn settling<'r>(
+    request: &'r Request,
+    statement: &'static str,
+) -> impl diesel::query_builder::QueryFragment<diesel::pg::Pg>
+       + diesel::query_builder::QueryId
+       + Clone
+       + Send
+       + Sync
+       + 'r {
+    diesel::sql_query(statement)
+        .bind::<Text, _>(request.scope())
+        .bind::<Text, _>(request.key())
+        .bind::<Nullable<Binary>, _>(request.owner())
+}
+
+/// Release this call's external claim when no body ran, within `timeout`.
+/// Its `COMMIT` may have gone unanswered and still be running (not
+/// cancelled behind a transaction pooler, or past its cancel): a plain
+/// `DELETE` would not see it, and the claim, committed after, would hold
+/// the key in progress, then as outcome unknown, over no body run (found
+/// behind PgBouncer). So the claim is sent again first, in the same
+/// transaction: it waits for that `COMMIT` on the key's unique index, then
+/// finds the claim by this call's token, or makes it anew, and the release
+/// deletes it. Another request's record is left alone.
+pub(super) async fn release_claim(
+    pool: &Pool,
+    timeout: Duration,
+    request: &Request,
+) -> Result<usize, Error> {
+    let policy = RetryPolicy::new().deadline(timeout).commit_timeout(timeout);
+    retry(pool, policy, "idem.release_claim", |conn| {
+        async move {
+            request.claim(conn).await.map_err(Error::Database)?;
+            let release = settling(request, store::RELEASE);
+            release.execute(conn).await.map_err(Error::Database)
+        }
+        .scope_boxed()
     })
     .await
 }

@@ -21,7 +21,6 @@
 
 use std::time::{Duration, Instant};
 
-use diesel::sql_types::{Binary, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -48,6 +47,9 @@ pub struct Call<E> {
     request: Request,
     /// External mode: this call holds the committed claim.
     claimed: bool,
+    /// External mode: this call claimed the key at some attempt (its claim
+    /// may commit late, after `claimed` was reset by an unanswered COMMIT).
+    ever_claimed: bool,
     /// The body ran at least once (external mode: something may have been sent).
     body_ran: bool,
     /// A final error of the body, to store (without the body's writes) in
@@ -110,6 +112,7 @@ impl<E> Call<E> {
         Call {
             request,
             claimed: false,
+            ever_claimed: false,
             body_ran: false,
             pending_final: None,
             wait_until,
@@ -251,7 +254,7 @@ impl<E> Call<E> {
         }
         match self.request.claim(conn).await {
             Ok(Claimed::Owned) => {
-                self.claimed = true;
+                (self.claimed, self.ever_claimed) = (true, true);
                 Some(Ok(Step::CommitAndContinue))
             }
             // External: this call's own claim, whose commit went unanswered.
@@ -264,7 +267,7 @@ impl<E> Call<E> {
                         return Some(Err(db(e)));
                     }
                 }
-                self.claimed = true;
+                (self.claimed, self.ever_claimed) = (true, true);
                 Some(Ok(Step::Again(Duration::ZERO)))
             }
             Ok(Claimed::Found(found)) => Some(self.replayable(attempt, found).await),
@@ -514,18 +517,16 @@ impl<E> Call<E> {
                 (err, nothing)
             }
         };
-        if self.claimed {
-            let statement = if nothing_happened {
-                store::RELEASE
-            } else {
-                store::MARK_UNKNOWN
-            };
-            let settle = diesel::sql_query(statement)
-                .bind::<Text, _>(request.scope())
-                .bind::<Text, _>(request.key())
-                .bind::<Nullable<Binary>, _>(request.owner());
+        if self.ever_claimed {
             let within = timeout.max(hold::SETTLE_AT_LEAST);
-            if let Err(e) = hold::bounded(pool, within, "idem.settle_claim", settle).await {
+            let settled = match (self.body_ran, nothing_happened) {
+                // The claim's own COMMIT may have gone unanswered, and may
+                // still commit: released once it has ended.
+                (false, _) => hold::release_claim(pool, within, request).await,
+                (true, true) => hold::settle(pool, within, request, store::RELEASE).await,
+                (true, false) => hold::settle(pool, within, request, store::MARK_UNKNOWN).await,
+            };
+            if let Err(e) = settled {
                 tracing::error!(key = %request.key(), error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown");
             }
         } else if !request.external() && retry_loop.body_committed() {
