@@ -132,3 +132,67 @@ async fn a_payload_that_does_not_decode_dies_at_once() {
     assert!(error.contains("does not decode"), "{error}");
     assert_eq!(env.effects("odd").await, 0);
 }
+
+/// A payload serde_json cannot read back (nested 200 deep, a number beyond
+/// `f64`: written by hand, or before `enqueue` refused such bodies) is
+/// dead at once with why, and the rest of the round runs. Before, the
+/// claim's own read failed: every round failed, the jobs it had marked
+/// running waited out their lease, and the due ones behind them waited.
+/// The dead listing reads them too, their stored text as a JSON string.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_that_cannot_be_read_back_is_dead_and_the_round_runs() {
+    let env = env().await;
+    let deep = format!(
+        r#"{{"key": "deep", "x": {}{}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let huge = r#"{"key": "huge", "n": 1e400}"#;
+    let by_hand = "INSERT INTO idem_jobs (kind, key, payload, run_at) \
+                   VALUES ('compensate', $1, $2::text::jsonb, now() - interval '1 second')";
+    for (key, payload) in [("deep", deep.as_str()), ("huge", huge)] {
+        env.client
+            .execute(by_hand, &[&key, &payload])
+            .await
+            .unwrap();
+    }
+    enqueue_new(&env, "ok").await;
+    let round = worker(&env.pool, |_| None)
+        .run_once()
+        .await
+        .expect("the claim");
+    assert_eq!(
+        (round.claimed, round.done, round.dead),
+        (3, 1, 2),
+        "{round:?}"
+    );
+    assert_eq!(env.effects("ok").await, 1);
+    for key in ["deep", "huge"] {
+        let jobs = env.jobs(key).await;
+        let [(state, attempts, Some(error))] = &jobs[..] else {
+            panic!("{key}: {jobs:?}")
+        };
+        assert_eq!((state.as_str(), *attempts), ("dead", 1), "{key}");
+        assert!(
+            error.starts_with("the payload does not decode: "),
+            "{key}: {error}"
+        );
+        assert_eq!(env.effects(key).await, 0);
+    }
+    let mut conn = env.pool.get().await.unwrap();
+    let dead = idem::jobs::dead(&mut conn, Some("compensate"), 10)
+        .await
+        .unwrap();
+    let keys: Vec<&str> = dead.iter().map(|d| d.key.as_str()).collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    for d in &dead {
+        let text = d
+            .payload
+            .as_str()
+            .expect("the stored text, as a JSON string");
+        assert!(
+            text.contains(&format!(r#""key": "{}""#, d.key)),
+            "{text:.80}"
+        );
+    }
+}

@@ -56,7 +56,9 @@ pub struct DeadJob {
     pub kind: String,
     /// [`Job::key`](super::Job::key).
     pub key: String,
-    /// The job as JSON.
+    /// The job as JSON; its stored text as a JSON string when serde_json
+    /// cannot read it back (nested past 128 levels, a number beyond `f64`,
+    /// written by hand), the job then dead for that reason (`last_error`).
     pub payload: serde_json::Value,
     /// Runs started before it died, over its whole life (a requeue does
     /// not reset the count).
@@ -81,10 +83,13 @@ pub async fn dead(
     Ok(rows
         .into_iter()
         .map(|r| DeadJob {
+            payload: r
+                .job
+                .payload()
+                .unwrap_or_else(|_| r.job.payload.clone().into()),
             id: JobId(r.job.id),
             kind: r.job.kind,
             key: r.job.key,
-            payload: r.job.payload,
             attempts: r.job.attempts,
             last_error: r.last_error,
             dead_for: Duration::from_secs_f64(r.dead_for_secs.max(0.0)),

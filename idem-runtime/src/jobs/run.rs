@@ -135,39 +135,11 @@ pub(crate) async fn run(
     // failure recorded against a higher count owes the job another run.
     let seen = AtomicI64::new(job.collapsed);
     let mut retry_loop = RetryLoop::new(pool, policy, "idem.jobs");
-    let result: Result<Option<Completed>, Failure> = loop {
-        let mut attempt = match retry_loop.begin().await {
-            Ok(attempt) => attempt,
-            Err(err) => break Err(Failure::Idem(err)),
-        };
-        let conn = attempt.conn();
-        let seen = &seen;
-        let step = retry_loop
-            .scope(async move {
-                let db = |e| Failure::Idem(Error::Database(e));
-                // First, so that no claim takes the job while the handler's
-                // transaction is open.
-                let Some(collapsed) = store::hold(conn, job.id, job.attempts).await.map_err(db)?
-                else {
-                    return Ok(Step::Answer(None));
-                };
-                seen.store(collapsed, Ordering::SeqCst);
-                handler(conn, &job.payload).await?;
-                // Last, so that an enqueue still open on the job is waited
-                // for, and one that comes later waits for this commit.
-                match store::complete(conn, job.id, job.attempts, collapsed)
-                    .await
-                    .map_err(db)?
-                {
-                    // The handler's effect goes with the run it belongs to.
-                    Completed::Gone => Ok(Step::Answer(None)),
-                    ended => Ok(Step::Commit(Some(ended))),
-                }
-            })
-            .await;
-        if let ControlFlow::Break(result) = retry_loop.finish(attempt, step).await {
-            break result;
-        }
+    // Read back apart from the claim (see `Claimed::payload`): one that
+    // cannot be is dead at once, as one that does not decode.
+    let result = match job.payload() {
+        Ok(payload) => attempts(&mut retry_loop, handler, job, &payload, &seen).await,
+        Err(e) => Err(Failure::Payload(e)),
     };
     let failure = match result {
         Ok(Some(Completed::Rearmed)) => {
@@ -227,6 +199,50 @@ pub(crate) async fn run(
         Err(e) => {
             tracing::warn!(job_id = job.id, error = %e, "could not record a failed job run; its lease will bring it back");
             Ended::Lost
+        }
+    }
+}
+
+/// The attempts of one run: the handler's effect and the job's end, under
+/// the retry loop.
+async fn attempts(
+    retry_loop: &mut RetryLoop<'_>,
+    handler: &Handler,
+    job: &Claimed,
+    payload: &serde_json::Value,
+    seen: &AtomicI64,
+) -> Result<Option<Completed>, Failure> {
+    loop {
+        let mut attempt = match retry_loop.begin().await {
+            Ok(attempt) => attempt,
+            Err(err) => return Err(Failure::Idem(err)),
+        };
+        let conn = attempt.conn();
+        let step = retry_loop
+            .scope(async move {
+                let db = |e| Failure::Idem(Error::Database(e));
+                // First, so that no claim takes the job while the handler's
+                // transaction is open.
+                let Some(collapsed) = store::hold(conn, job.id, job.attempts).await.map_err(db)?
+                else {
+                    return Ok(Step::Answer(None));
+                };
+                seen.store(collapsed, Ordering::SeqCst);
+                handler(conn, payload).await?;
+                // Last, so that an enqueue still open on the job is waited
+                // for, and one that comes later waits for this commit.
+                match store::complete(conn, job.id, job.attempts, collapsed)
+                    .await
+                    .map_err(db)?
+                {
+                    // The handler's effect goes with the run it belongs to.
+                    Completed::Gone => Ok(Step::Answer(None)),
+                    ended => Ok(Step::Commit(Some(ended))),
+                }
+            })
+            .await;
+        if let ControlFlow::Break(result) = retry_loop.finish(attempt, step).await {
+            return result;
         }
     }
 }

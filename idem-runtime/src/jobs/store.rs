@@ -83,8 +83,11 @@ pub(crate) struct Claimed {
     pub(crate) kind: String,
     #[diesel(sql_type = Text)]
     pub(crate) key: String,
-    #[diesel(sql_type = Jsonb)]
-    pub(crate) payload: serde_json::Value,
+    /// The stored payload as text, read back by [`Claimed::payload`]: one
+    /// serde_json cannot read (nested past its limit, a number beyond
+    /// `f64`, written by hand) must not fail the whole claim.
+    #[diesel(sql_type = Text)]
+    pub(crate) payload: String,
     /// Runs started, this one included: the run's token, never reused.
     #[diesel(sql_type = Integer)]
     pub(crate) attempts: i32,
@@ -97,6 +100,11 @@ pub(crate) struct Claimed {
 }
 
 impl Claimed {
+    /// The payload as JSON, or why serde_json cannot read it back.
+    pub(crate) fn payload(&self) -> Result<serde_json::Value, serde_json::Error> {
+        serde_json::from_str(&self.payload)
+    }
+
     /// Failed runs on the current ladder if this one fails (1 for the first).
     pub(crate) fn failures(&self) -> u32 {
         u32::try_from(self.attempts.saturating_sub(self.ladder_from)).unwrap_or(0)
@@ -131,7 +139,7 @@ SET state = 'running',
     locked_by = $4,
     updated_at = now()
 FROM due WHERE j.id = due.id
-RETURNING j.id, j.kind, j.key, j.payload, j.attempts, j.ladder_from, j.collapsed";
+RETURNING j.id, j.kind, j.key, j.payload::text AS payload, j.attempts, j.ladder_from, j.collapsed";
 
 /// Claim up to `batch` jobs of `kinds` for `lease`.
 pub(crate) async fn claim(
@@ -375,7 +383,7 @@ pub(crate) async fn dead(
     limit: i64,
 ) -> Result<Vec<DeadRow>, DieselError> {
     diesel::sql_query(
-        "SELECT id, kind, key, payload, attempts, ladder_from, collapsed, last_error,
+        "SELECT id, kind, key, payload::text AS payload, attempts, ladder_from, collapsed, last_error,
                 extract(epoch FROM now() - failed_at)::float8 AS dead_for_secs
          FROM idem_jobs WHERE state = 'dead' AND ($1::text IS NULL OR kind = $1)
          ORDER BY failed_at, id LIMIT $2",
