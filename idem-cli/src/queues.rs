@@ -168,14 +168,25 @@ pub async fn jobs(cli: &Cli, cmd: &JobsCmd) -> Result<u8> {
                 .iter()
                 .map(|(id, r)| json!({"id": id, "result": r}))
                 .collect();
+            let due = done
+                .iter()
+                .filter(|(_, r)| *r == operate::JobRequeue::Due)
+                .count();
+            // Left dead beside a live job of its kind and key: as for one
+            // id, exit 1, so that a script does not take it as done. One
+            // requeued or discarded meanwhile (not dead any more) is not.
+            let left = done
+                .iter()
+                .filter(|(_, r)| *r == operate::JobRequeue::LiveExists)
+                .count();
             emit(cli, &value, || {
-                let due = done
-                    .iter()
-                    .filter(|(_, r)| *r == operate::JobRequeue::Due)
-                    .count();
-                format!("requeued {due} of {} dead job(s)\n", done.len())
+                let mut line = format!("requeued {due} of {} dead job(s)", done.len());
+                if left > 0 {
+                    line += &format!("; {left} left dead: a live job of its kind and key exists");
+                }
+                line + "\n"
             })?;
-            Ok(0)
+            Ok(u8::from(left > 0))
         }
         JobsCmd::Discard { id } => {
             let gone = operate::discard_job(&pool, *id).await?;

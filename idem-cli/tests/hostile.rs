@@ -315,6 +315,33 @@ async fn exit_codes_agree_and_json_always_answers() {
         1,
         "the live claim is untouched"
     );
+
+    // `jobs requeue --all` leaving a dead job dead (a live job of its kind
+    // and key exists) exits 1, as for one id; the other is requeued.
+    client
+        .batch_execute(
+            "INSERT INTO idem_jobs (kind, key, payload, state, last_error, failed_at)
+             VALUES ('refund', 'a', '{}', 'dead', 'no', now()),
+                    ('refund', 'a', '{}', 'due', NULL, NULL),
+                    ('refund', 'b', '{}', 'dead', 'no', now())",
+        )
+        .await
+        .expect("two dead jobs, one beside a live one");
+    let (code, out, err) = idem(url, &["jobs", "requeue", "--all"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert_eq!(
+        out,
+        "requeued 1 of 2 dead job(s); 1 left dead: a live job of its kind and key exists\n"
+    );
+    let (code, out, _) = idem(url, &["--json", "jobs", "requeue", "--all"]);
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(json(&out)[0]["result"], "live_exists", "{out}");
+    client
+        .batch_execute("DELETE FROM idem_jobs WHERE key = 'a' AND state = 'due'")
+        .await
+        .expect("the live job done");
+    let (code, out, _) = idem(url, &["jobs", "requeue", "--all"]);
+    assert_eq!((code, out.as_str()), (0, "requeued 1 of 1 dead job(s)\n"));
 }
 
 #[derive(Debug, thiserror::Error)]
