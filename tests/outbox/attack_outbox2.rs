@@ -60,9 +60,10 @@ async fn attack_relays_cut_and_killed_mid_round_lose_nothing_and_keep_order() {
         6,
         Fault::HoldAnswer(Duration::from_millis(1500)),
     );
-    let lease = Duration::from_millis(700);
+    // The acks awaited 500 ms: a lease must exceed the publisher's wait.
+    let (lease, ack) = (Duration::from_millis(700), Duration::from_millis(500));
     let cut = Running::start(
-        Relay::new(proxied.clone(), env.publisher().await)
+        Relay::new(proxied.clone(), env.publisher_waiting(ack).await)
             .lease(lease)
             .batch_size(2)
             .poll_interval(Duration::from_millis(20)),
@@ -72,7 +73,7 @@ async fn attack_relays_cut_and_killed_mid_round_lose_nothing_and_keep_order() {
         Relay::new(
             env.pool.clone(),
             CrashAfterAck {
-                inner: env.publisher().await,
+                inner: env.publisher_waiting(ack).await,
                 count: AtomicUsize::new(0),
                 crash_at: 7,
             },
@@ -85,7 +86,7 @@ async fn attack_relays_cut_and_killed_mid_round_lose_nothing_and_keep_order() {
         }),
     );
     let cleaner = Running::start(
-        Relay::new(env.pool.clone(), env.publisher().await)
+        Relay::new(env.pool.clone(), env.publisher_waiting(ack).await)
             .lease(lease)
             .batch_size(3)
             .retention(Duration::ZERO)
@@ -321,7 +322,9 @@ async fn found_events_routed_to_another_stream_skip_the_window_check() {
             let client = async_nats::connect(nats_url().await)
                 .await
                 .expect("connect");
-            let publisher = NatsPublisher::new(jetstream::new(client), stream.clone());
+            let mut context = jetstream::new(client);
+            context.set_timeout(Duration::from_millis(200)); // under the lease
+            let publisher = NatsPublisher::new(context, stream.clone());
             let publisher = match prefix {
                 Some(prefix) => publisher.subject_prefix(prefix),
                 // The named stream captures `<stream>.>`.

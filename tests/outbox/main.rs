@@ -178,6 +178,17 @@ impl Env {
         NatsPublisher::new(jetstream::new(client), &self.stream).subject_prefix(&self.stream)
     }
 
+    /// [`Env::publisher`] waiting `ack` for each publish ack (the JetStream
+    /// context's timeout, 5 s by default): a relay's lease must exceed it.
+    async fn publisher_waiting(&self, ack: Duration) -> NatsPublisher {
+        let client = async_nats::connect(nats_url().await)
+            .await
+            .expect("connect to NATS");
+        let mut context = jetstream::new(client);
+        context.set_timeout(ack);
+        NatsPublisher::new(context, &self.stream).subject_prefix(&self.stream)
+    }
+
     async fn scalar(&self, query: &str) -> i64 {
         self.client
             .query_one(query, &[])

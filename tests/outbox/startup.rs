@@ -113,3 +113,48 @@ async fn an_event_committed_before_listen_takes_effect_is_sent_at_once() {
     }
     running.stop().await;
 }
+
+/// A lease that does not exceed the publisher's wait for one ack (the
+/// JetStream context's timeout) is refused at start-up, before any claim:
+/// another relay would claim an event still being published, and publish
+/// it again. At the bound too; past it, the relay runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_within_the_publish_timeout_is_refused_at_start_up() {
+    let env = env("leaseshort", Duration::from_secs(120)).await;
+    change(&env.pool, "a").await.expect("change");
+    let publisher = || async {
+        let client = async_nats::connect(nats_url().await).await.expect("NATS");
+        let mut context = jetstream::new(client);
+        context.set_timeout(Duration::from_secs(20));
+        NatsPublisher::new(context, &env.stream).subject_prefix(&env.stream)
+    };
+    for lease in [None, Some(Duration::from_secs(20))] {
+        let relay = Relay::new(env.pool.clone(), publisher().await);
+        let relay = match lease {
+            Some(lease) => relay.lease(lease),
+            None => relay,
+        };
+        match bounded(relay.run(std::future::pending())).await {
+            Err(RelayError::Prepare(PrepareError::LeaseTooShort {
+                lease: got,
+                publish_timeout,
+            })) => {
+                let want = lease.unwrap_or(Duration::from_secs(15));
+                assert_eq!((got, publish_timeout), (want, Duration::from_secs(20)));
+            }
+            other => panic!("lease {lease:?}: not refused: {other:?}"),
+        }
+    }
+    let unclaimed =
+        "SELECT count(*) FROM idem_outbox WHERE state = 'pending' AND lease_until IS NULL";
+    assert_eq!(env.scalar(unclaimed).await, 1);
+    assert_eq!(env.stream_count().await, 0);
+    let relay = Relay::new(env.pool.clone(), publisher().await).lease(Duration::from_secs(21));
+    let running = Running::start(relay);
+    let start = Instant::now();
+    while env.stream_count().await == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "not published");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    running.stop().await;
+}

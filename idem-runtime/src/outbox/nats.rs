@@ -2,6 +2,7 @@
 
 use async_nats::connection::State;
 use async_nats::header::{HeaderMap, NATS_EXPECTED_STREAM, NATS_MESSAGE_ID};
+use async_nats::jetstream::context::traits::TimeoutProvider;
 use async_nats::jetstream::context::{
     GetStreamError, PublishError as JsPublishError, PublishErrorKind,
 };
@@ -20,8 +21,9 @@ use super::publisher::{Horizon, OutboxMessage, PrepareError, PublishError, Publi
 ///   `Idem-Event-Seq` carry the rest of the row; the body is the JSON event.
 /// * The subject is the event's, after an optional prefix
 ///   (`prefix.subject`); the stream must capture it.
-/// * At start-up ([`Publisher::prepare`]) it refuses a stream whose
-///   `duplicate_window` is shorter than the relay's
+/// * At start-up ([`Publisher::prepare`]) it refuses a relay lease that
+///   does not exceed the context's timeout (its wait for one ack), and a
+///   stream whose `duplicate_window` is shorter than the relay's
 ///   [`horizon`](super::Relay::horizon). Every publish names that stream
 ///   (`Nats-Expected-Stream`): an event whose subject another stream
 ///   captures (a prefix can route there) is refused by the server, not
@@ -188,6 +190,13 @@ impl Publisher for NatsPublisher {
     }
 
     async fn prepare(&self, horizon: Horizon) -> Result<(), PrepareError> {
+        let publish_timeout = TimeoutProvider::timeout(&self.context);
+        if horizon.lease <= publish_timeout {
+            return Err(PrepareError::LeaseTooShort {
+                lease: horizon.lease,
+                publish_timeout,
+            });
+        }
         let window = duplicate_window(&self.context, &self.stream)
             .await
             .map_err(|e| PrepareError::Broker(PublishError::from_source(e)))?;

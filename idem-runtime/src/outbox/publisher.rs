@@ -133,6 +133,16 @@ pub enum PrepareError {
         /// The relay's total backoff over all attempts of one event.
         retry: Duration,
     },
+    /// The relay's lease ends before a publish may: another relay would
+    /// claim the event while this one still waits for its ack, and publish
+    /// it again (in order, but twice for the broker to drop).
+    #[error("the relay's lease of {lease:?} does not exceed the publisher's timeout of {publish_timeout:?}: another relay would claim an event still being published; lengthen the lease or shorten the publisher's timeout")]
+    LeaseTooShort {
+        /// The relay's lease.
+        lease: Duration,
+        /// How long the publisher waits for one ack.
+        publish_timeout: Duration,
+    },
     /// The broker could not be asked.
     #[error("the publisher could not check the broker: {0}")]
     Broker(#[source] PublishError),

@@ -128,7 +128,8 @@ impl<P: Publisher> Relay<P> {
     }
     /// How long a claim lasts: a relay that dies mid-publish leaves its
     /// events to the others after this. Must exceed the publisher's own
-    /// timeout. Default 15 s.
+    /// timeout (its wait for one ack; the NATS publisher refuses to start
+    /// otherwise, [`PrepareError::LeaseTooShort`]). Default 15 s.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
