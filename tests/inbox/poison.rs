@@ -74,3 +74,50 @@ async fn a_poison_message_is_parked_others_flow_and_requeue_runs_it() {
         "requeued once"
     );
 }
+
+/// An effect that swaps its connection (writing through one of its own,
+/// which commits at once) is parked at its first delivery, not delivered
+/// again: each delivery would swap again and write again (it was answered
+/// `Retry` up to the last delivery, its write committed each time).
+#[tokio::test]
+async fn an_effect_that_swaps_its_connection_is_parked_at_once() {
+    let env = env().await;
+    let inbox = Inbox::new(
+        env.pool.clone(),
+        "swap",
+        InboxConfig::new().max_deliveries(5),
+    )
+    .expect("inbox");
+    let url = env._db.url().to_owned();
+    let swaps = effect(move |conn, payload| {
+        let (url, body) = (url.clone(), String::from_utf8_lossy(payload).into_owned());
+        async move {
+            let mut own = AsyncPgConnection::establish(&url).await.expect("connect");
+            diesel::sql_query("INSERT INTO effects (body) VALUES ($1)")
+                .bind::<Text, _>(body)
+                .execute(&mut own)
+                .await?;
+            std::mem::swap(conn, &mut own);
+            Ok(())
+        }
+        .scope_boxed()
+    });
+    let mut swaps = swaps;
+    let outcome = inbox
+        .handle("swap-1", b"swapped", 1, &mut swaps)
+        .await
+        .expect("handled");
+    match &outcome {
+        Outcome::Parked {
+            error: AppError::Idem(idem::Error::ConnectionReplaced),
+        } => {}
+        other => panic!("not parked at once: {other:?}"),
+    }
+    assert_eq!(env.record("swap", "swap-1").await, Some(("dead".into(), 1)));
+    let again = inbox
+        .handle("swap-1", b"swapped", 2, &mut swaps)
+        .await
+        .expect("handled");
+    assert!(matches!(again, Outcome::Dead), "{again:?}");
+    assert_eq!(env.effect_bodies().await, ["swapped"], "written once");
+}

@@ -196,3 +196,37 @@ async fn a_payload_that_cannot_be_read_back_is_dead_and_the_round_runs() {
         );
     }
 }
+
+/// A handler that swaps its connection (writing through one of its own,
+/// which commits at once) and fails makes its job dead at its first run:
+/// each run would swap again and write again (it was due again after the
+/// ladder's step, its write committed each time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_swaps_its_connection_makes_its_job_dead_at_once() {
+    let env = env().await;
+    enqueue_new(&env, "swap").await;
+    let url = env.db.url().to_owned();
+    let worker = Worker::new(env.pool.clone())
+        .ladder(Ladder::new([Duration::ZERO; 3])) // due again at once, were it retried
+        .handle(move |conn, job: &Compensate| {
+            let url = url.clone();
+            async move {
+                let mut own = AsyncPgConnection::establish(&url).await.expect("connect");
+                record_effect(&mut own, &job.key, "own").await?;
+                std::mem::swap(conn, &mut own);
+                Err::<(), _>(AppError::Refused("failed after the swap".into()))
+            }
+            .scope_boxed()
+        });
+    let round = worker.run_once().await.expect("round");
+    assert_eq!((round.claimed, round.dead), (1, 1), "{round:?}");
+    let jobs = env.jobs("swap").await;
+    let [(state, 1, Some(error))] = &jobs[..] else {
+        panic!("{jobs:?}")
+    };
+    assert_eq!(state, "dead");
+    assert!(error.contains("swapped"), "{error}");
+    let again = worker.run_once().await.expect("round");
+    assert_eq!(again.claimed, 0, "{again:?}");
+    assert_eq!(env.effects("swap").await, 1, "written once");
+}

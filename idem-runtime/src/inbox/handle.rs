@@ -113,6 +113,11 @@ impl Inbox {
             // write, say): a redelivery would apply them again, as a replay
             // would (`TransactionEnded { committed: true }` is never
             // replayed). Parked at once, for an operator to look at.
+            // So is an effect that swapped its connection: what it wrote
+            // outside the record's transaction may have committed.
+            Err(error) if retry_loop.connection_replaced() => {
+                self.park(msg_id, payload, delivered, error).await
+            }
             Err(error) if retry_loop.body_committed() => {
                 // Its attempt, kept for a write that must come first, holds
                 // a connection the park may need (a pool of one).

@@ -220,9 +220,10 @@ pub enum Outcome<T, E> {
         /// The delay before the next delivery.
         after: Duration,
     },
-    /// The effect failed on the last delivery allowed, or committed part
-    /// of its writes by hand without the record: the message is now
-    /// recorded as dead with this error. Term it so it is not redelivered.
+    /// The effect failed on the last delivery allowed, committed part of
+    /// its writes by hand without the record, or swapped its connection
+    /// (`ConnectionReplaced`): the message is now recorded as dead with
+    /// this error. Term it so it is not redelivered.
     Parked {
         /// The effect's error.
         error: E,

@@ -115,8 +115,8 @@ pub(crate) enum Ended {
     Done,
     /// Failed; due again after the ladder's next step.
     Retry,
-    /// Failed past the ladder, undecodable, or committed part of its
-    /// writes by hand: parked as dead.
+    /// Failed past the ladder, undecodable, committed part of its writes
+    /// by hand, or swapped its connection: parked as dead.
     Dead,
     /// A newer run of the job took over (this one outlived its lease), or
     /// the failure could not be recorded: the lease decides what is next.
@@ -166,9 +166,11 @@ pub(crate) async fn run(
         // connection the failure's record may need (a pool of one).
         drop(retry_loop.take_ended());
     }
+    // So does a handler that swapped its connection: what it wrote outside
+    // the job's transaction may have committed.
     let retry_after = match failure {
         Failure::Payload(_) => None,
-        _ if committed_by_hand => None,
+        _ if committed_by_hand || retry_loop.connection_replaced() => None,
         _ => ladder.after_failure(job.failures()),
     };
     let error = failure.text();

@@ -26,6 +26,14 @@ impl RetryLoop<'_> {
         self.body_ended
     }
 
+    /// Whether the call was answered `ConnectionReplaced`: the body swapped
+    /// its connection, and what it wrote through the one it swapped in, or
+    /// on the one it took away, idem cannot see; it may have committed. A
+    /// delivery or run again would swap again, and write again.
+    pub(crate) fn connection_replaced(&self) -> bool {
+        self.replaced
+    }
+
     /// The attempt whose body committed by hand ([`Self::body_committed`]),
     /// rolled back, with its connection if it kept one: a write that must
     /// precede the callers waiting on the pool goes there (see

@@ -139,6 +139,9 @@ pub struct RetryLoop<'p> {
     /// The attempt whose body committed by hand, rolled back, its
     /// connection kept until [`RetryLoop::take_ended`] (or the loop's end).
     pub(super) ended: Option<Attempt>,
+    /// The call was answered `ConnectionReplaced` (see
+    /// [`RetryLoop::connection_replaced`]).
+    pub(super) replaced: bool,
     span: tracing::Span,
 }
 
@@ -171,6 +174,7 @@ impl<'p> RetryLoop<'p> {
             body_ended: None,
             recorded: false,
             ended: None,
+            replaced: false,
             span,
         }
     }
@@ -349,6 +353,7 @@ impl<'p> RetryLoop<'p> {
         let rolls_back = matches!(result, Ok(Step::Again(_)) | Err(_));
         if rolls_back && !attempt.holds_its_session() {
             attempt.roll_back().instrument(self.span.clone()).await;
+            self.replaced = true;
             return self.done(
                 Err(E::from(Error::ConnectionReplaced)),
                 "connection_replaced",
@@ -491,7 +496,10 @@ impl<'p> RetryLoop<'p> {
             }
             CommitFailure::Failed(err) => (Error::Commit(err), "commit_failed"),
             CommitFailure::SavepointOpen => (Error::SavepointOpen, "savepoint_open"),
-            CommitFailure::Replaced => (Error::ConnectionReplaced, "connection_replaced"),
+            CommitFailure::Replaced => {
+                self.replaced = true;
+                (Error::ConnectionReplaced, "connection_replaced")
+            }
         };
         self.done(Err(E::from(err)), label)
     }
