@@ -517,7 +517,7 @@ async fn attack_ext_backend_terminated_mid_body() {
         let killed: i64 = env
             .scalar(
                 "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                 WHERE query LIKE '%pg_sleep(0.6)%' AND pid <> pg_backend_pid() \
+                 WHERE datname = current_database() AND query LIKE '%pg_sleep(0.6)%' AND pid <> pg_backend_pid() \
                  AND query NOT LIKE '%pg_stat_activity%') t",
             )
             .await;

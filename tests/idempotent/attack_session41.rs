@@ -178,7 +178,7 @@ async fn attack41_long_statement_with_an_end_is_cancelled() {
             let ans = one(&env.pool, V::Rc, &key, &Q { steps, end }, None).await;
             let took = t0.elapsed();
             tokio::time::sleep(Duration::from_millis(1000)).await;
-            let sleeping = env.scalar("SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(6)%' AND state = 'active' AND pid <> pg_backend_pid()").await;
+            let sleeping = env.scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE '%pg_sleep(6)%' AND state = 'active' AND pid <> pg_backend_pid()").await;
             let (n1, n2) = (n_of(&env, &key, 1).await, n_of(&env, &key, 2).await);
             eprintln!("{key}: {ans} in {took:?}; sleeping {sleeping}, n1 {n1} n2 {n2}");
             if took > Duration::from_millis(2500) || sleeping > 0 || n1 + n2 > 0 {

@@ -145,7 +145,7 @@ async fn attack_a_backend_terminated_during_the_effect_applies_it_once() {
         tokio::spawn(async move { w.run_once().await })
     };
     env.until(
-        "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_advisory_xact_lock(4242)'
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query = 'SELECT pg_advisory_xact_lock(4242)'
          AND wait_event_type = 'Lock'",
         1,
     )
@@ -153,7 +153,7 @@ async fn attack_a_backend_terminated_during_the_effect_applies_it_once() {
     env.client
         .execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE query = 'SELECT pg_advisory_xact_lock(4242)'",
+             WHERE datname = current_database() AND query = 'SELECT pg_advisory_xact_lock(4242)'",
             &[],
         )
         .await

@@ -166,7 +166,10 @@ async fn a_worker_process_killed_mid_job_leaves_it_to_another_after_its_lease() 
     // Some process's run of job-0 waits at the gate: its effect is written,
     // not committed.
     env.until(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        // This database's only: pg_locks is the whole server's, and other
+        // tests (of this run, or of another) wait on advisory locks too.
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
         1,
     )
     .await;

@@ -90,8 +90,8 @@ async fn an_open_run_is_not_claimed_again_past_its_lease() {
     // Once the handler sleeps, its transaction holds the job's row (`FOR
     // KEY SHARE`, which no claim passes).
     env.until(
-        "SELECT count(*) FROM pg_stat_activity
-         WHERE query = 'SELECT pg_sleep(0.8)' AND state = 'active'",
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+         AND query = 'SELECT pg_sleep(0.8)' AND state = 'active'",
         1,
     )
     .await;

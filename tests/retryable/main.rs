@@ -163,7 +163,7 @@ impl Env {
     /// `tag`, once none does or 2 s have passed.
     async fn running_after(&self, tag: &str) -> i64 {
         let running = format!(
-            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%{tag}%' \
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE '%{tag}%' \
              AND pid <> pg_backend_pid()"
         );
         let mut left = self.scalar_i64(&running).await;
