@@ -48,6 +48,7 @@ mod attack_session48;
 mod attack_session49;
 mod attack_session50;
 mod attack_session51;
+mod attack_session52;
 mod attack_swap;
 mod attack_sync_standby;
 mod attack_third;

@@ -298,3 +298,24 @@ pub(super) async fn release_claim(
     })
     .await
 }
+
+/// [`release_claim`] once more, in a task of its own, after it failed
+/// within the call's bound: a claim `COMMIT` that outlasts that bound (one
+/// that goes on past its cancel, a WAL flush that stalls) commits after
+/// the release gave up, or the release's own `COMMIT` was cancelled, and
+/// the key stayed in progress, then outcome unknown, over no body run
+/// (found by session 52). Given the claim's lease (the bound at least):
+/// no body ran for this token, so its claim may go whenever it is found.
+pub(super) fn release_in_background(pool: Pool, within: Duration, request: Request) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        tracing::error!(key = request.key(), "an external claim with no body run could not be released, outside a Tokio runtime: its lease will expire into outcome unknown");
+        return;
+    };
+    let timeout = request.config.lease.max(within);
+    runtime.spawn(async move {
+        match release_claim(&pool, timeout, &request).await {
+            Ok(_) => tracing::info!(key = request.key(), "an external claim with no body run released in the background"),
+            Err(e) => tracing::error!(key = request.key(), error = %e, "could not release an external claim with no body run; its lease will expire into outcome unknown"),
+        }
+    });
+}

@@ -526,8 +526,16 @@ impl<E> Call<E> {
                 (true, true) => hold::settle(pool, within, request, store::RELEASE).await,
                 (true, false) => hold::settle(pool, within, request, store::MARK_UNKNOWN).await,
             };
-            if let Err(e) = settled {
-                tracing::error!(key = %request.key(), error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown");
+            match settled {
+                // Still no body ran: released once its transactions end.
+                Err(e) if !self.body_ran => {
+                    tracing::warn!(key = %request.key(), error = %e, "an external claim with no body run was not released in time; released in the background");
+                    hold::release_in_background(pool.clone(), within, request.clone());
+                }
+                Err(e) => {
+                    tracing::error!(key = %request.key(), error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown")
+                }
+                Ok(_) => {}
             }
         } else if !request.external() && retry_loop.body_committed() {
             // Dropped before the hold is known written (its checkout or its
