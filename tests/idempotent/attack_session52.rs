@@ -262,3 +262,25 @@ async fn found_a_release_whose_commit_outlasts_its_bound_leaves_the_key_held() {
     assert!(!again.replayed);
     assert_eq!(outside(key), 1);
 }
+
+/// A caller that gives up (drops the call) while the claim's `COMMIT` is
+/// slow, before the body ran: the claim commits all the same (its deferred
+/// check ignores the cancel; behind a pooler none is sent). No body ran;
+/// the key must end free, and a retry runs the outside call once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn found_an_external_call_dropped_before_its_body_leaves_the_key_held() {
+    let env = env(4).await;
+    let key = "a52-dropped";
+    let stubborn = "BEGIN PERFORM pg_sleep(0.5); \
+                    EXCEPTION WHEN query_canceled THEN PERFORM pg_sleep(0.5); END;";
+    slow_on(&env, "a52_dropped", "INSERT", key, stubborn).await;
+    let gave_up = tokio::time::timeout(Duration::from_millis(150), patient(&env.pool, key)).await;
+    assert!(gave_up.is_err(), "{gave_up:?}");
+    assert_eq!(outside(key), 0, "the body never ran");
+    unslow(&env, "a52_dropped").await;
+    ends_free(&env, key, Duration::from_secs(10)).await.unwrap();
+    let again = patient(&env.pool, key).await.unwrap();
+    assert!(!again.replayed);
+    assert_eq!(outside(key), 1);
+    assert_eq!(env.effects(&format!("out:{key}")).await, 1);
+}

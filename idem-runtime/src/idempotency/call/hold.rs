@@ -299,13 +299,33 @@ pub(super) async fn release_claim(
     .await
 }
 
+/// An external claim's settling that failed within `within`: logged, and,
+/// when no body ran, released again in the background.
+pub(super) fn unsettled(
+    pool: &Pool,
+    within: Duration,
+    request: &Request,
+    body_ran: bool,
+    e: Error,
+) {
+    let key = request.key();
+    if body_ran {
+        tracing::error!(key, error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown");
+    } else {
+        tracing::warn!(key, error = %e, "an external claim with no body run was not released in time; released in the background");
+        release_in_background(pool.clone(), within, request.clone());
+    }
+}
+
 /// [`release_claim`] once more, in a task of its own, after it failed
-/// within the call's bound: a claim `COMMIT` that outlasts that bound (one
-/// that goes on past its cancel, a WAL flush that stalls) commits after
-/// the release gave up, or the release's own `COMMIT` was cancelled, and
-/// the key stayed in progress, then outcome unknown, over no body run
-/// (found by session 52). Given the claim's lease (the bound at least):
-/// no body ran for this token, so its claim may go whenever it is found.
+/// within the call's bound, or for a call dropped after its claim and
+/// before its body ran: a claim `COMMIT` that outlasts that bound (one
+/// that goes on past its cancel, a WAL flush that stalls, or any behind a
+/// transaction pooler, which gets no cancel) commits after the release
+/// gave up, or the release's own `COMMIT` was cancelled, and the key
+/// stayed in progress, then outcome unknown, over no body run (found by
+/// session 52). Given the claim's lease (`within` at least): no body ran
+/// for this token, so its claim may go whenever it is found.
 pub(super) fn release_in_background(pool: Pool, within: Duration, request: Request) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         tracing::error!(key = request.key(), "an external claim with no body run could not be released, outside a Tokio runtime: its lease will expire into outcome unknown");

@@ -526,17 +526,10 @@ impl<E> Call<E> {
                 (true, true) => hold::settle(pool, within, request, store::RELEASE).await,
                 (true, false) => hold::settle(pool, within, request, store::MARK_UNKNOWN).await,
             };
-            match settled {
-                // Still no body ran: released once its transactions end.
-                Err(e) if !self.body_ran => {
-                    tracing::warn!(key = %request.key(), error = %e, "an external claim with no body run was not released in time; released in the background");
-                    hold::release_in_background(pool.clone(), within, request.clone());
-                }
-                Err(e) => {
-                    tracing::error!(key = %request.key(), error = %e, "could not settle an external idempotency claim; its lease will expire into outcome unknown")
-                }
-                Ok(_) => {}
+            if let Err(e) = settled {
+                hold::unsettled(pool, within, request, self.body_ran, e);
             }
+            self.ever_claimed = false;
         } else if !request.external() && retry_loop.body_committed() {
             // Dropped before the hold is known written (its checkout or its
             // statement cancelled with the call), the call holds the key
@@ -556,6 +549,12 @@ impl<E> Drop for Call<E> {
     /// after its body committed by hand, before [`Call::end`] held its key:
     /// held now, in a task of its own.
     fn drop(&mut self) {
+        // External: dropped after its claim, before its body ran (a caller's
+        // timeout, during the claim's `COMMIT` say): released all the same.
+        if self.ever_claimed && !self.body_ran {
+            let (pool, request) = (self.pool.clone(), self.request.clone());
+            return hold::release_in_background(pool, hold::SETTLE_AT_LEAST, request);
+        }
         let (watch, timeout) = match (&self.holding, &self.watch) {
             (Some((watch, timeout)), _) => (watch.as_ref(), *timeout),
             (None, Some((watch, timeout))) if watch.committed() => (Some(watch), *timeout),
