@@ -7,25 +7,19 @@
 use tokio_postgres::Client;
 
 mod common;
-use common::{idem, json};
+use common::{count, idem, json, migrated};
 
-async fn migrated() -> (idem_testing::TestDatabase, Client) {
-    let db = idem_testing::TestDatabase::create()
-        .await
-        .expect("a database");
-    let client = idem_testing::connect(db.url()).await.expect("connect");
-    let pool = idem::pool::build_pool(db.url()).expect("pool");
-    let mut conn = pool.get().await.expect("conn");
-    idem::migrate(&mut conn).await.expect("migrated");
-    (db, client)
-}
-
-async fn count(client: &Client, sql: &str) -> i64 {
-    client
-        .query_one(sql, &[])
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .get(0)
+/// How many jobs are due, and how many dead.
+async fn states(client: &Client) -> (i64, i64) {
+    let due = count(client, "SELECT count(*) FROM idem_jobs WHERE state = 'due'").await;
+    (
+        due,
+        count(
+            client,
+            "SELECT count(*) FROM idem_jobs WHERE state = 'dead'",
+        )
+        .await,
+    )
 }
 
 /// A dead job of `kind` and `key`, failed `ago` seconds ago.
@@ -123,22 +117,7 @@ async fn attack52_two_dead_of_one_key_requeue_one_and_exit_1() {
         out,
         "requeued 1 of 2 dead job(s); 1 left dead: a live job of its kind and key exists\n"
     );
-    assert_eq!(
-        count(
-            &client,
-            "SELECT count(*) FROM idem_jobs WHERE state = 'due'"
-        )
-        .await,
-        1
-    );
-    assert_eq!(
-        count(
-            &client,
-            "SELECT count(*) FROM idem_jobs WHERE state = 'dead'"
-        )
-        .await,
-        1
-    );
+    assert_eq!(states(&client).await, (1, 1), "due, dead");
 }
 
 /// Four `requeue --all` at once over 30 dead jobs of distinct keys and 5
@@ -179,20 +158,5 @@ async fn attack52_concurrent_requeues_requeue_each_job_once() {
         left >= 5,
         "each pair's second left dead at least once: {left}"
     );
-    assert_eq!(
-        count(
-            &client,
-            "SELECT count(*) FROM idem_jobs WHERE state = 'due'"
-        )
-        .await,
-        35
-    );
-    assert_eq!(
-        count(
-            &client,
-            "SELECT count(*) FROM idem_jobs WHERE state = 'dead'"
-        )
-        .await,
-        5
-    );
+    assert_eq!(states(&client).await, (35, 5), "due, dead");
 }

@@ -12,25 +12,7 @@ use idem_testing::TestDatabase;
 use tokio_postgres::Client;
 
 mod common;
-use common::{idem, json};
-
-/// A fresh, migrated database and a client on it.
-async fn migrated() -> (TestDatabase, Client) {
-    let db = TestDatabase::create().await.expect("a database");
-    let client = idem_testing::connect(db.url()).await.expect("connect");
-    let pool = idem::pool::build_pool(db.url()).expect("pool");
-    let mut conn = pool.get().await.expect("conn");
-    idem::migrate(&mut conn).await.expect("migrated");
-    (db, client)
-}
-
-async fn count(client: &Client, sql: &str) -> i64 {
-    client
-        .query_one(sql, &[])
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .get(0)
-}
+use common::{count, idem, json, migrated};
 
 /// The control characters in `s` that are not line ends of the output.
 fn controls(s: &str) -> Vec<char> {
