@@ -115,12 +115,10 @@ impl Inbox {
             // replayed). Parked at once, for an operator to look at.
             // So is an effect that swapped its connection: what it wrote
             // outside the record's transaction may have committed.
-            Err(error) if retry_loop.connection_replaced() => {
-                self.park(msg_id, payload, delivered, error).await
-            }
-            Err(error) if retry_loop.body_committed() => {
-                // Its attempt, kept for a write that must come first, holds
-                // a connection the park may need (a pool of one).
+            Err(error) if retry_loop.body_committed() || retry_loop.connection_replaced() => {
+                // An attempt whose body committed by hand, kept for a write
+                // that must come first, holds a connection the park may
+                // need (a pool of one).
                 drop(retry_loop.take_ended());
                 self.park(msg_id, payload, delivered, error).await
             }
