@@ -300,6 +300,15 @@ impl Connection {
     }
 }
 
+/// The server session `conn` talks to, as its cancel token names it (see
+/// [`identity`]); nothing is sent. For a caller that writes more through a
+/// connection after lending it to a body: the same before and after, or the
+/// body swapped in one of its own, where a write would run outside the
+/// attempt's transaction.
+pub(crate) fn session_of(conn: &AsyncPgConnection) -> Option<[u8; 8]> {
+    identity::backend_key(conn)
+}
+
 impl Deref for Connection {
     type Target = AsyncPgConnection;
     fn deref(&self) -> &AsyncPgConnection {

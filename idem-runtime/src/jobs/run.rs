@@ -19,7 +19,7 @@ use scoped_futures::ScopedBoxFuture;
 use super::store::{self, Claimed, Completed, Failed};
 use super::{Job, Ladder};
 use crate::error::Error;
-use crate::pool::Pool;
+use crate::pool::{self, Pool};
 use crate::retry::{RetryLoop, RetryPolicy, Step};
 
 type BoxFuture<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
@@ -230,7 +230,15 @@ async fn attempts(
                     return Ok(Step::Answer(None));
                 };
                 seen.store(collapsed, Ordering::SeqCst);
+                let session = pool::session_of(conn);
                 handler(conn, payload).await?;
+                // A handler that swapped its connection and returned `Ok`:
+                // the job's end must not go through the one it swapped in,
+                // outside the job's transaction (deleted for good while the
+                // run reads as lost). Answered as when it fails: dead.
+                if pool::session_of(conn) != session {
+                    return Err(Failure::Idem(Error::ConnectionReplaced));
+                }
                 // Last, so that an enqueue still open on the job is waited
                 // for, and one that comes later waits for this commit.
                 match store::complete(conn, job.id, job.attempts, collapsed)
