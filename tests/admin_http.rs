@@ -281,14 +281,24 @@ async fn an_unknown_record_past_its_retention_shows_kept_until_settled() {
     assert!(!reply.body.contains(">expired<"), "{}", reply.body);
 }
 
+/// A page past the end says so; the first marks a payload that could not
+/// be read back, so that its stored text is not read as a string payload.
 #[tokio::test]
 async fn an_empty_page_past_the_end_says_no_rows() {
-    let (db, _client) = migrated().await;
+    let (db, client) = migrated().await;
     let addr = serve(&db).await;
     let reply = http(addr, Method::GET, "/admin/jobs?offset=1", &[], "").await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert!(reply.body.contains("no rows"), "{}", reply.body);
     assert!(!reply.body.contains("rows 1–1"), "{}", reply.body);
+    // And the first page marks a payload it could not read back (1e400).
+    let sql = "UPDATE idem_jobs SET payload = '{\"n\": 1e400}' WHERE id = $1";
+    client
+        .execute(sql, &[&dead_job(&client, "k").await])
+        .await
+        .unwrap();
+    let reply = http(addr, Method::GET, "/admin/jobs", &[], "").await;
+    assert!(reply.body.contains("unreadable as JSON"), "{}", reply.body);
 }
 
 /// One, selected and all-matching actions touch what they name, within a

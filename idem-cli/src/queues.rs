@@ -128,10 +128,13 @@ pub async fn jobs(cli: &Cli, cmd: &JobsCmd) -> Result<u8> {
                             j.attempts.to_string(),
                             dur(j.dead_for),
                             short(&j.last_error, 60),
-                            if *show_payload {
-                                j.payload.to_string()
-                            } else {
-                                format!("hidden, {} B", j.payload_bytes())
+                            match (*show_payload, j.payload_unreadable) {
+                                (true, false) => j.payload.to_string(),
+                                (true, true) => format!("unreadable: {}", j.payload),
+                                (false, false) => format!("hidden, {} B", j.payload_bytes()),
+                                (false, true) => {
+                                    format!("hidden, {} B, unreadable", j.payload_bytes())
+                                }
                             },
                         ]
                     })

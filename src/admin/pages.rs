@@ -289,6 +289,12 @@ pub(crate) fn dead_jobs(
                 j.payload_bytes()
             )
         };
+        // Its stored text, shown as a JSON string: said, so that it is not
+        // read as a payload that is one.
+        let payload = match j.payload_unreadable {
+            true => format!("<span class=\"note\">unreadable as JSON</span> {payload}"),
+            false => payload,
+        };
         let (check, buttons) = if csrf.is_some() {
             (
                 format!("<input type=\"checkbox\" name=\"id\" value=\"{}\">", j.id),

@@ -138,7 +138,9 @@ async fn a_payload_that_does_not_decode_dies_at_once() {
 /// dead at once with why, and the rest of the round runs. Before, the
 /// claim's own read failed: every round failed, the jobs it had marked
 /// running waited out their lease, and the due ones behind them waited.
-/// The dead listing reads them too, their stored text as a JSON string.
+/// The dead listing reads them too, their stored text as a JSON string,
+/// marked unreadable: unlike a payload that is a JSON string (one that
+/// does not decode as the job, dead too, beside them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_payload_that_cannot_be_read_back_is_dead_and_the_round_runs() {
     let env = env().await;
@@ -150,7 +152,8 @@ async fn a_payload_that_cannot_be_read_back_is_dead_and_the_round_runs() {
     let huge = r#"{"key": "huge", "n": 1e400}"#;
     let by_hand = "INSERT INTO idem_jobs (kind, key, payload, run_at) \
                    VALUES ('compensate', $1, $2::text::jsonb, now() - interval '1 second')";
-    for (key, payload) in [("deep", deep.as_str()), ("huge", huge)] {
+    let text = r#""{\"key\": \"text\"}""#; // a string that reads as the others
+    for (key, payload) in [("deep", deep.as_str()), ("huge", huge), ("text", text)] {
         env.client
             .execute(by_hand, &[&key, &payload])
             .await
@@ -163,11 +166,10 @@ async fn a_payload_that_cannot_be_read_back_is_dead_and_the_round_runs() {
         .expect("the claim");
     assert_eq!(
         (round.claimed, round.done, round.dead),
-        (3, 1, 2),
+        (4, 1, 3),
         "{round:?}"
     );
-    assert_eq!(env.effects("ok").await, 1);
-    for key in ["deep", "huge"] {
+    for key in ["deep", "huge", "text"] {
         let jobs = env.jobs(key).await;
         let [(state, attempts, Some(error))] = &jobs[..] else {
             panic!("{key}: {jobs:?}")
@@ -184,7 +186,7 @@ async fn a_payload_that_cannot_be_read_back_is_dead_and_the_round_runs() {
         .await
         .unwrap();
     let keys: Vec<&str> = dead.iter().map(|d| d.key.as_str()).collect();
-    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert_eq!(keys.len(), 3, "{keys:?}");
     for d in &dead {
         let text = d
             .payload
@@ -194,6 +196,20 @@ async fn a_payload_that_cannot_be_read_back_is_dead_and_the_round_runs() {
             text.contains(&format!(r#""key": "{}""#, d.key)),
             "{text:.80}"
         );
+        assert_eq!(d.payload_unreadable, d.key != "text", "{}", d.key);
+    }
+    let listed = idem::operate::dead_jobs(&env.pool, None, idem::operate::Page::default())
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 3);
+    for row in &listed {
+        let stored = row.payload.as_str().unwrap_or_default();
+        let bytes = match row.key.as_str() {
+            "text" => r#""{\"key\": \"text\"}""#.len(),
+            _ => stored.len(),
+        };
+        assert_eq!(row.payload_bytes(), bytes, "{}", row.key);
+        assert_eq!(row.payload_unreadable, row.key != "text", "{}", row.key);
     }
 }
 
@@ -203,8 +219,20 @@ async fn a_payload_that_cannot_be_read_back_is_dead_and_the_round_runs() {
 /// ladder's step, its write committed each time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_swaps_its_connection_makes_its_job_dead_at_once() {
+    swaps_its_connection("swap", true).await;
+}
+
+/// So does one that swaps and returns `Ok`: the job's end is not written
+/// through the connection it swapped in, outside the job's transaction
+/// (before, the job was deleted there and the run read as lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_swaps_its_connection_and_succeeds_makes_its_job_dead() {
+    swaps_its_connection("swap-ok", false).await;
+}
+
+async fn swaps_its_connection(key: &'static str, fails: bool) {
     let env = env().await;
-    enqueue_new(&env, "swap").await;
+    enqueue_new(&env, key).await;
     let url = env.db.url().to_owned();
     let worker = Worker::new(env.pool.clone())
         .ladder(Ladder::new([Duration::ZERO; 3])) // due again at once, were it retried
@@ -214,13 +242,16 @@ async fn a_handler_that_swaps_its_connection_makes_its_job_dead_at_once() {
                 let mut own = AsyncPgConnection::establish(&url).await.expect("connect");
                 record_effect(&mut own, &job.key, "own").await?;
                 std::mem::swap(conn, &mut own);
-                Err::<(), _>(AppError::Refused("failed after the swap".into()))
+                match fails {
+                    true => Err(AppError::Refused("failed after the swap".into())),
+                    false => Ok(()),
+                }
             }
             .scope_boxed()
         });
     let round = worker.run_once().await.expect("round");
     assert_eq!((round.claimed, round.dead), (1, 1), "{round:?}");
-    let jobs = env.jobs("swap").await;
+    let jobs = env.jobs(key).await;
     let [(state, 1, Some(error))] = &jobs[..] else {
         panic!("{jobs:?}")
     };
@@ -228,5 +259,5 @@ async fn a_handler_that_swaps_its_connection_makes_its_job_dead_at_once() {
     assert!(error.contains("swapped"), "{error}");
     let again = worker.run_once().await.expect("round");
     assert_eq!(again.claimed, 0, "{again:?}");
-    assert_eq!(env.effects("swap").await, 1, "written once");
+    assert_eq!(env.effects(key).await, 1, "written once");
 }

@@ -60,6 +60,9 @@ pub struct DeadJob {
     /// cannot read it back (nested past 128 levels, a number beyond `f64`,
     /// written by hand), the job then dead for that reason (`last_error`).
     pub payload: serde_json::Value,
+    /// Whether `payload` is the stored text because it could not be read
+    /// back: what tells it from a payload that is a JSON string.
+    pub payload_unreadable: bool,
     /// Runs started before it died, over its whole life (a requeue does
     /// not reset the count).
     pub attempts: i32,
@@ -82,17 +85,21 @@ pub async fn dead(
     let rows = store::dead(conn, kind, limit).await?;
     Ok(rows
         .into_iter()
-        .map(|r| DeadJob {
-            payload: r
-                .job
-                .payload()
-                .unwrap_or_else(|_| r.job.payload.clone().into()),
-            id: JobId(r.job.id),
-            kind: r.job.kind,
-            key: r.job.key,
-            attempts: r.job.attempts,
-            last_error: r.last_error,
-            dead_for: Duration::from_secs_f64(r.dead_for_secs.max(0.0)),
+        .map(|r| {
+            let (payload, payload_unreadable) = match r.job.payload() {
+                Ok(payload) => (payload, false),
+                Err(_) => (r.job.payload.clone().into(), true),
+            };
+            DeadJob {
+                payload,
+                payload_unreadable,
+                id: JobId(r.job.id),
+                kind: r.job.kind,
+                key: r.job.key,
+                attempts: r.job.attempts,
+                last_error: r.last_error,
+                dead_for: Duration::from_secs_f64(r.dead_for_secs.max(0.0)),
+            }
         })
         .collect())
 }

@@ -67,8 +67,11 @@ pub struct DeadJobRow {
     pub kind: String,
     /// The job's key.
     pub key: String,
-    /// The job as JSON.
+    /// The job as JSON; its stored text as a JSON string when it could not
+    /// be read back ([`jobs::DeadJob::payload`]).
     pub payload: serde_json::Value,
+    /// Whether `payload` is the stored text, unreadable as JSON.
+    pub payload_unreadable: bool,
     /// Runs started over its life.
     pub attempts: i32,
     /// What its last run said.
@@ -79,10 +82,13 @@ pub struct DeadJobRow {
 }
 
 impl DeadJobRow {
-    /// The payload's size as compact JSON, shown where the payload itself
-    /// is hidden (it may hold personal data).
+    /// The payload's size as compact JSON (as stored, when unreadable),
+    /// shown where the payload itself is hidden (it may hold personal data).
     pub fn payload_bytes(&self) -> usize {
-        self.payload.to_string().len()
+        match (&self.payload, self.payload_unreadable) {
+            (serde_json::Value::String(text), true) => text.len(),
+            (payload, _) => payload.to_string().len(),
+        }
     }
 }
 
@@ -107,6 +113,7 @@ pub async fn dead_jobs(
             kind: j.kind,
             key: j.key,
             payload: j.payload,
+            payload_unreadable: j.payload_unreadable,
             attempts: j.attempts,
             last_error: j.last_error,
             dead_for: j.dead_for,
