@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 mod attack_jobs;
 mod attack_jobs2;
 mod attack_jobs3;
+mod attack_jobs4;
 mod collapsing;
 mod enqueuing;
 mod ladder;
