@@ -494,3 +494,51 @@ async fn attack4_the_admin_page_marks_and_escapes_an_unreadable_payload() {
         .unwrap();
     assert_eq!(page.matches("unreadable as JSON").count(), 0, "{page}");
 }
+
+/// Swapped in with a transaction of the handler's own left open on it
+/// (`BEGIN`, a write), and `Ok`: idem neither commits that transaction
+/// (the job's end is not written there either) nor leaves it open: its
+/// write never commits. One that commits the lent connection by hand
+/// (`COMMIT` through the connection it took away) before returning `Ok`
+/// has its lent write committed once, and its job dead: not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attack4_a_swapped_in_open_transaction_is_not_committed() {
+    let env = env().await;
+    enqueue_new(&env, "open").await;
+    enqueue_new(&env, "by-hand").await;
+    let url = env.db.url().to_owned();
+    let worker = Worker::new(env.pool.clone())
+        .ladder(Ladder::new([Duration::ZERO; 3]))
+        .handle(move |conn, job: &Compensate| {
+            let url = url.clone();
+            async move {
+                record_effect(conn, &job.key, "lent").await?;
+                let mut own = AsyncPgConnection::establish(&url).await.expect("connect");
+                if job.key == "open" {
+                    own.batch_execute("BEGIN").await?;
+                    record_effect(&mut own, &job.key, "own").await?;
+                    std::mem::swap(conn, &mut own);
+                } else {
+                    std::mem::swap(conn, &mut own);
+                    own.batch_execute("COMMIT").await?;
+                }
+                Ok::<_, AppError>(())
+            }
+            .scope_boxed()
+        });
+    let round = worker.run_once().await.expect("round");
+    assert_eq!((round.claimed, round.dead), (2, 2), "{round:?}");
+    dead_for_swapping(&env, "open").await;
+    let jobs = env.jobs("by-hand").await;
+    assert_eq!(
+        jobs.iter().map(|j| (j.0.as_str(), j.1)).collect::<Vec<_>>(),
+        [("dead", 1)],
+        "{jobs:?}"
+    );
+    no_open_transaction_left(&env).await;
+    assert_eq!(env.effects("open").await, 0);
+    assert_eq!(effects_by(&env, "by-hand", "lent").await, 1);
+    env.make_due_now().await;
+    assert_eq!(worker.run_once().await.expect("round").claimed, 0);
+    assert_eq!(env.effects("by-hand").await, 1);
+}
