@@ -85,10 +85,10 @@ pub async fn dead(
     let rows = store::dead(conn, kind, limit).await?;
     Ok(rows
         .into_iter()
-        .map(|r| {
+        .map(|mut r| {
             let (payload, payload_unreadable) = match r.job.payload() {
                 Ok(payload) => (payload, false),
-                Err(_) => (r.job.payload.clone().into(), true),
+                Err(_) => (std::mem::take(&mut r.job.payload).into(), true),
             };
             DeadJob {
                 payload,
