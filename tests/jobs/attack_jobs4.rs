@@ -11,7 +11,7 @@ use idem::operate::{dead_jobs, DeadJobRow, Page};
 use super::*;
 
 /// Effects of `key` written by `worker` (the tag the handler gave).
-async fn effects_by(env: &Env, key: &str, worker: &str) -> i64 {
+pub(super) async fn effects_by(env: &Env, key: &str, worker: &str) -> i64 {
     env.client
         .query_one(
             "SELECT count(*) FROM effects WHERE key = $1 AND worker = $2",
@@ -24,7 +24,7 @@ async fn effects_by(env: &Env, key: &str, worker: &str) -> i64 {
 
 /// No session of the test database is left in a transaction (the lent
 /// connection a handler took away, with the job's hold, is closed).
-async fn no_open_transaction_left(env: &Env) {
+pub(super) async fn no_open_transaction_left(env: &Env) {
     env.until(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
          AND state LIKE 'idle in transaction%'",
@@ -34,7 +34,7 @@ async fn no_open_transaction_left(env: &Env) {
 }
 
 /// The one job of `key`: dead after its first run, "swapped" said.
-async fn dead_for_swapping(env: &Env, key: &str) {
+pub(super) async fn dead_for_swapping(env: &Env, key: &str) {
     let jobs = env.jobs(key).await;
     let [(state, 1, Some(error))] = &jobs[..] else {
         panic!("{key}: {jobs:?}")

@@ -23,6 +23,7 @@ mod attack_jobs;
 mod attack_jobs2;
 mod attack_jobs3;
 mod attack_jobs4;
+mod attack_jobs5;
 mod collapsing;
 mod enqueuing;
 mod ladder;
