@@ -252,15 +252,15 @@ async fn attack5_a_ring_of_three_exchanging_connections_is_all_dead() {
 /// job's write through the failed one's connection rolled back with it
 /// (`a`'s job gone, its `theirs` write never committed).
 ///
-/// Found: docs/jobs.md says the handler's writes and the job's end
-/// "commit together or not at all", and that a swap makes the job dead;
-/// a swap undone before the return is not seen (the check compares the
-/// session in the slot before and after the handler), so writes made
-/// through another job's lent connection meanwhile break that promise for
-/// both jobs. Probably beyond a return-time check to see; the docs do not
-/// say that a swap undone in time counts as none. Pinned as observed.
+/// Found by the pass: docs/jobs.md promised the handler's writes and the
+/// job's end "commit together or not at all" without saying that the swap
+/// check is made at the return; a write through another job's lent
+/// connection goes with that job's transaction, as one through any
+/// connection of the handler's own goes with its own. Documented since
+/// (the check compares the session in the slot at the return; a swap
+/// undone before it counts as none); pinned here as documented.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn found_an_exchange_undone_before_returning_commits_each_write_with_the_other_job() {
+async fn attack5_an_exchange_undone_before_returning_writes_with_the_other_job() {
     let env = env().await;
     for key in ["a", "b", "plain"] {
         enqueue_new(&env, key).await;
