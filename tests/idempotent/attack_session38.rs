@@ -302,13 +302,16 @@ async fn attack_session38_concurrent_callers_racing_drops() {
     }
 }
 
-/// The backend killed in idem's held `COMMIT` (alone, then with a duplicate
-/// queued on a pool of one): no record, no effect, never a hold; the dup runs.
+/// The backend killed 300 ms into idem's held `COMMIT` (alone, then with a
+/// duplicate queued on a pool of one; from the `COMMIT`'s start, late on a
+/// loaded machine): no record, no effect, never a hold; the dup runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack_session38_backend_killed_during_a_held_commit() {
     let (env, pool) = held_env(1).await;
     let key = "h38-3000-killed";
+    let before = commits(&env).await;
     let killing = async {
+        assert!(eventually(TEN, || async { commits(&env).await > before }).await);
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(kill_held(&env).await, 1);
         std::future::pending::<()>().await
@@ -403,18 +406,15 @@ async fn gate(env: &Env, size: usize, stall: bool) -> (Pool, Arc<AtomicUsize>) {
     (pool, bad)
 }
 
-/// New connections stall (the server stopped accepting); the pool's other
-/// slot is busy until 1.4 s after the hold began (past half of the 2 s
-/// commit timeout), then idle. Seen: the call answered in time, nothing
-/// held (a repeat runs the body again), though an idle connection waited
-/// 0.6 s of the time left (freed 0.3 s in instead, the hold is written).
-/// Expected: `unknown/local`, as a connection could be had. Cause
-/// (idempotency/call/hold.rs:67-70): `give_up` frees the call's kept slot
-/// before `bounded` checks out through the pool, so that checkout takes
-/// the free slot and makes a new connection in it (stalled for all the
-/// time left) instead of waiting for an idle one.
-/// Fixed: on a pool of more than one, the kept slot stays taken while the
-/// hold checks out through the pool.
+/// New connections stall (the server stopped accepting); the pool's other slot is busy until
+/// 1.4 s after the hold began (past half of the 2 s commit timeout), then idle. Seen: the call
+/// answered in time, nothing held (a repeat runs the body again), though an idle connection
+/// waited 0.6 s of the time left (freed 0.3 s in instead, the hold is written). Expected:
+/// `unknown/local`, as a connection could be had. Cause (idempotency/call/hold.rs:67-70):
+/// `give_up` frees the call's kept slot before `bounded` checks out through the pool, so that
+/// checkout takes the free slot and makes a new connection in it (stalled for all the time
+/// left) instead of waiting for an idle one. Fixed: on a pool of more than one, the kept slot
+/// stays taken while the hold checks out there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn found_the_hold_misses_a_pool_connection_freed_after_half_the_time() {
     let env = env(2).await;
@@ -522,12 +522,11 @@ async fn attack_session38_another_requests_record_or_hold_is_left_alone() {
     another_first(1).await;
 }
 
-/// A body's `COMMIT` by hand, its hold's `COMMIT` held 800 ms on the
-/// server each time, the call dropped 0 to 900 ms into it (its task holds
-/// again, over its own first hold if that committed); and the first hold's
-/// backend killed, the call waiting. Each key held once, owner 16 bytes,
-/// no error logged (e.g. "another request .. ran"). On one thread, so the
-/// dropped call's task logs where this test listens.
+/// A body's `COMMIT` by hand, its hold's `COMMIT` held 800 ms on the server each time, the call
+/// dropped 0 to 900 ms into it (its task holds again, over its own first hold if that
+/// committed); and the first hold's backend killed, the call waiting. Each key held once, owner
+/// 16 bytes, no error logged (e.g. "another request .. ran"). On one thread, so the dropped
+/// call's task logs where this test listens.
 #[tokio::test]
 async fn attack_session38_a_call_holding_again_rewrites_its_own_hold() {
     let path = std::env::temp_dir().join(format!("attack38-{}.log", std::process::id()));

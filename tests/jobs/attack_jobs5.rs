@@ -404,8 +404,18 @@ async fn attack5_a_connection_left_behind_by_a_finished_run_is_dead_in_another()
                     *left.lock().unwrap() = Some(std::mem::replace(conn, fresh));
                     return Ok(());
                 }
-                // Long enough for the other run to have ended.
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                // Until the other run has ended (its job dead), read on a
+                // connection of this handler's own: a fixed wait is too
+                // short on a loaded machine.
+                use diesel_async::RunQueryDsl;
+                let mut own = AsyncPgConnection::establish(&url).await.expect("connect");
+                let ended = "SELECT 1 FROM idem_jobs WHERE key = 'leaves' AND state = 'dead'";
+                for _ in 0..600 {
+                    if diesel::sql_query(ended).execute(&mut own).await? == 1 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
                 let theirs = left.lock().unwrap().take().expect("left behind");
                 drop(std::mem::replace(conn, theirs));
                 if let Err(e) = record_effect(conn, &job.key, "theirs").await {
