@@ -157,9 +157,9 @@ async fn no_lock_left(env: &Env) {
         .expect("a job row is still locked");
 }
 
-/// One round of `worker`, bounded: a hang is a finding.
-async fn round_within(worker: &Worker, bound: Duration) -> idem::jobs::Round {
-    tokio::time::timeout(bound, worker.run_once())
+/// One round of `worker`, within 30 s: a hang is a finding.
+async fn round_within(worker: &Worker) -> idem::jobs::Round {
+    tokio::time::timeout(Duration::from_secs(30), worker.run_once())
         .await
         .expect("the round hung")
         .expect("round")
@@ -178,7 +178,7 @@ async fn exchange(ring: &[(&'static str, End)]) {
     }
     enqueue_new(&env, "plain").await;
     let worker = ring_worker(&env, ring, false);
-    let round = round_within(&worker, Duration::from_secs(30)).await;
+    let round = round_within(&worker).await;
     assert_eq!(round.claimed, ring.len() + 1, "{round:?}");
     for (key, end) in ring {
         dead_for_swapping(&env, key).await;
@@ -190,7 +190,7 @@ async fn exchange(ring: &[(&'static str, End)]) {
     no_open_transaction_left(&env).await;
     no_lock_left(&env).await;
     env.make_due_now().await;
-    let again = round_within(&worker, Duration::from_secs(30)).await;
+    let again = round_within(&worker).await;
     assert_eq!(again.claimed, 0, "{again:?}");
     for (key, _) in ring {
         dead_for_swapping(&env, key).await;
@@ -209,7 +209,7 @@ async fn exchange(ring: &[(&'static str, End)]) {
     let plain = super::worker(&env.pool, |_| None);
     let mut done = 0;
     while done < keys.len() {
-        let round = round_within(&plain, Duration::from_secs(30)).await;
+        let round = round_within(&plain).await;
         assert!(round.claimed > 0, "{round:?}");
         done += round.claimed;
     }
@@ -266,7 +266,7 @@ async fn attack5_an_exchange_undone_before_returning_writes_with_the_other_job()
         enqueue_new(&env, key).await;
     }
     let worker = ring_worker(&env, &[("a", End::Ok), ("b", End::Err)], true);
-    let round = round_within(&worker, Duration::from_secs(30)).await;
+    let round = round_within(&worker).await;
     assert_eq!(round.claimed, 3, "{round:?}");
     no_open_transaction_left(&env).await;
     no_lock_left(&env).await;
@@ -284,12 +284,28 @@ async fn attack5_an_exchange_undone_before_returning_writes_with_the_other_job()
     assert_eq!(effects_by(&env, "a", "theirs").await, 0);
     assert_eq!(effects_by(&env, "b", "lent").await, 0);
     env.make_due_now().await;
-    let again = round_within(&worker, Duration::from_secs(30)).await;
+    let again = round_within(&worker).await;
     assert_eq!(again.claimed, 1, "{again:?}");
     assert!(env.jobs("b").await.is_empty());
     assert_eq!(effects_by(&env, "b", "lent").await, 1);
     assert_eq!(env.effects("b").await, 2, "a failed run's write committed");
     assert_eq!(env.effects("plain").await, 1);
+}
+
+/// The jobs of `ring` enqueued and run in one round of
+/// [`acting_ring_worker`]: each claimed, no session left in a transaction,
+/// no lock left.
+async fn acting_round(ring: &[(&'static str, Act, End)], undo: bool) -> (Env, Worker) {
+    let env = env().await;
+    for (key, _, _) in ring {
+        enqueue_new(&env, key).await;
+    }
+    let worker = acting_ring_worker(&env, ring, undo);
+    let round = round_within(&worker).await;
+    assert_eq!(round.claimed, ring.len(), "{round:?}");
+    no_open_transaction_left(&env).await;
+    no_lock_left(&env).await;
+    (env, worker)
 }
 
 /// One handler `COMMIT`s its neighbour's transaction (the neighbour's job
@@ -301,16 +317,8 @@ async fn attack5_an_exchange_undone_before_returning_writes_with_the_other_job()
 /// all the same (the wire of its session saw the `COMMIT`). Either way the
 /// neighbour's `lent` write committed exactly once and is not run again.
 async fn commits_the_neighbours_transaction(undo: bool) {
-    let env = env().await;
-    for key in ["a", "b"] {
-        enqueue_new(&env, key).await;
-    }
     let ring = [("a", Act::Commit, End::Ok), ("b", Act::Nothing, End::Ok)];
-    let worker = acting_ring_worker(&env, &ring, undo);
-    let round = round_within(&worker, Duration::from_secs(30)).await;
-    assert_eq!(round.claimed, 2, "{round:?}");
-    no_open_transaction_left(&env).await;
-    no_lock_left(&env).await;
+    let (env, worker) = acting_round(&ring, undo).await;
     if undo {
         assert!(env.jobs("a").await.is_empty(), "{:?}", env.jobs("a").await);
         assert_eq!(env.effects("a").await, 1);
@@ -327,10 +335,7 @@ async fn commits_the_neighbours_transaction(undo: bool) {
     }
     assert_eq!(effects_by(&env, "b", "lent").await, 1);
     env.make_due_now().await;
-    assert_eq!(
-        round_within(&worker, Duration::from_secs(30)).await.claimed,
-        0
-    );
+    assert_eq!(round_within(&worker).await.claimed, 0);
     assert_eq!(env.effects("b").await, 1);
 }
 
@@ -352,16 +357,8 @@ async fn attack5_committing_the_neighbours_transaction_and_handing_it_back() {
 /// ended without its effect), and the next run writes the effect once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attack5_rolling_back_the_neighbours_transaction_and_handing_it_back() {
-    let env = env().await;
-    for key in ["a", "b"] {
-        enqueue_new(&env, key).await;
-    }
     let ring = [("a", Act::Rollback, End::Ok), ("b", Act::Nothing, End::Ok)];
-    let worker = acting_ring_worker(&env, &ring, true);
-    let round = round_within(&worker, Duration::from_secs(30)).await;
-    assert_eq!(round.claimed, 2, "{round:?}");
-    no_open_transaction_left(&env).await;
-    no_lock_left(&env).await;
+    let (env, worker) = acting_round(&ring, true).await;
     assert!(env.jobs("a").await.is_empty(), "{:?}", env.jobs("a").await);
     assert_eq!(env.effects("a").await, 1);
     let jobs = env.jobs("b").await;
@@ -372,7 +369,7 @@ async fn attack5_rolling_back_the_neighbours_transaction_and_handing_it_back() {
     assert!(error.contains("ended idem's transaction itself"), "{error}");
     assert_eq!(env.effects("b").await, 0);
     env.make_due_now().await;
-    let again = round_within(&worker, Duration::from_secs(30)).await;
+    let again = round_within(&worker).await;
     assert_eq!(again.claimed, 1, "{again:?}");
     assert!(env.jobs("b").await.is_empty());
     assert_eq!(env.effects("b").await, 1);
@@ -425,7 +422,7 @@ async fn attack5_a_connection_left_behind_by_a_finished_run_is_dead_in_another()
             }
             .scope_boxed()
         });
-    let round = round_within(&worker, Duration::from_secs(30)).await;
+    let round = round_within(&worker).await;
     assert_eq!(round.claimed, 2, "{round:?}");
     dead_for_swapping(&env, "leaves").await;
     dead_for_swapping(&env, "takes").await;
@@ -439,10 +436,7 @@ async fn attack5_a_connection_left_behind_by_a_finished_run_is_dead_in_another()
     no_open_transaction_left(&env).await;
     no_lock_left(&env).await;
     env.make_due_now().await;
-    assert_eq!(
-        round_within(&worker, Duration::from_secs(30)).await.claimed,
-        0
-    );
+    assert_eq!(round_within(&worker).await.claimed, 0);
     assert_eq!(env.scalar("SELECT count(*) FROM effects").await, 0);
 }
 
@@ -535,7 +529,7 @@ async fn moved_into_a_task(fails: bool, commit_first: bool) {
             }
             .scope_boxed()
         });
-    let round = round_within(&worker, Duration::from_secs(30)).await;
+    let round = round_within(&worker).await;
     assert_eq!(round.claimed, 2, "{round:?}");
     let handle = task.lock().unwrap().take().expect("the task");
     let (seen, lent) = tokio::time::timeout(Duration::from_secs(30), handle)
@@ -568,10 +562,7 @@ async fn moved_into_a_task(fails: bool, commit_first: bool) {
     assert_eq!(env.effects("plain").await, 1);
     assert!(env.jobs("plain").await.is_empty());
     env.make_due_now().await;
-    assert_eq!(
-        round_within(&worker, Duration::from_secs(30)).await.claimed,
-        0
-    );
+    assert_eq!(round_within(&worker).await.claimed, 0);
     assert_eq!(env.effects("moved").await, before, "nothing more");
 }
 
