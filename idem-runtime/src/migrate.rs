@@ -215,6 +215,11 @@ static MIGRATIONS: &[Migration] = &[
         name: "create_once_guard_current",
         sql: include_str!("../migrations/0017_create_once_guard_current.sql"),
     },
+    Migration {
+        version: 18,
+        name: "guard_hardened",
+        sql: include_str!("../migrations/0018_guard_hardened.sql"),
+    },
 ];
 
 /// The migrations embedded in this build, in the order [`migrate`] applies them.

@@ -96,6 +96,10 @@
 //! - Roles that INSERT or DELETE rows of a guarded table need `SELECT`,
 //!   `INSERT` and `UPDATE` on `idem_version_tombstones`, and the inserting
 //!   role needs `UPDATE` on the table itself (for the `FOR KEY SHARE` lock).
+//!   With them a role can read every guarded table's tombstones and raise
+//!   them, never lower or move one: a trigger refuses that (SQLSTATE
+//!   `IDV04`, migration 18), since a lowered tombstone lets a deleted row's
+//!   versions repeat.
 //! - Triggers run in name order; a `BEFORE` trigger of yours whose name sorts
 //!   after `idem_version_guard` and that changes the version or an identity
 //!   column is not checked.
@@ -108,12 +112,26 @@
 //!   session's time zone, so a tombstone written in one zone is not found from
 //!   another.
 //! - Tombstones are keyed by schema and table name (for a partitioned table,
-//!   by partition). A renamed table starts without tombstones; a table
-//!   dropped and created again under its name keeps them (its rows then start
-//!   higher, which is harmless).
+//!   by partition: a row deleted from one partition and inserted into
+//!   another starts over). A renamed table starts without tombstones; a
+//!   table dropped and created again under its name keeps them (its rows
+//!   then start higher, which is harmless). Identity columns under a
+//!   nondeterministic collation have a tombstone per spelling: `abc`
+//!   deleted and inserted again as `ABC` starts over.
 //! - `TRUNCATE`, `ALTER TABLE .. DISABLE TRIGGER` and
 //!   `session_replication_role = replica` bypass the trigger: truncated rows
 //!   leave no tombstones.
+//! - The trigger runs as the writing role, with a search path of its own
+//!   (migration 18): `pg_catalog`, the schema idem's tables were migrated
+//!   into, `pg_temp` last. A role's own functions, operators or
+//!   `idem_version_tombstones` (in its schema, first on its search path, or
+//!   temporary) do not change what it checks; a role that may create
+//!   objects in idem's schema is trusted, as its owner is. Identity columns
+//!   are compared with the operators of those two schemas: keep them to
+//!   built-in types (as above). The rest of idem's SQL, this module's
+//!   [`purge_version_tombstones`] among it, names idem's tables and
+//!   functions unqualified: sessions that call it need idem's schema on
+//!   their search path.
 //! - The columns are read through `to_jsonb(NEW)` / `to_jsonb(OLD)`, which
 //!   costs a serialisation of the row per written row; noticeable only for
 //!   very wide rows under heavy write load.
