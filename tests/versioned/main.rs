@@ -17,10 +17,13 @@ use tokio::sync::Barrier;
 #[path = "../support/pool.rs"]
 mod test_pool;
 
+mod attack_s54;
+mod attack_s54_roles;
 mod create_once;
 mod duplicates;
 mod identity;
 mod prepared;
+mod search_path;
 mod shapes;
 mod transitions;
 mod writes;
