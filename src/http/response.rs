@@ -111,14 +111,14 @@ impl<T: Serialize> IntoResponse for StoredResponse<T> {
 /// ```
 /// use axum::{http::StatusCode, response::{IntoResponse, Response}};
 /// use idem::http::{IdempotentResponse, Problem};
-/// use idem::{IdempotencyError, IdempotentError};
+/// use idem::{Error, IdempotentError};
 ///
 /// #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 /// enum Declined { InsufficientFunds { balance: i64 } }
 ///
-/// enum AppError { Idem(IdempotencyError), Declined { reason: Declined, replayed: bool } }
-/// impl From<IdempotencyError> for AppError {
-///     fn from(e: IdempotencyError) -> Self { AppError::Idem(e) }
+/// enum AppError { Idem(Error), Declined { reason: Declined, replayed: bool } }
+/// impl From<Error> for AppError {
+///     fn from(e: Error) -> Self { AppError::Idem(e) }
 /// }
 /// impl IdempotentError for AppError {
 ///     type Final = Declined;
