@@ -8,37 +8,6 @@
 
 use super::*;
 
-/// A raw client of the test's own on `url`.
-async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(url)
-        .expect("a Redis URL")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect to Redis")
-}
-
-async fn get(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> Vec<u8> {
-    let bytes: Option<Vec<u8>> = redis::cmd("GET")
-        .arg(key)
-        .query_async(conn)
-        .await
-        .expect("GET");
-    bytes.expect("an entry")
-}
-
-async fn set(conn: &mut redis::aio::MultiplexedConnection, key: &str, bytes: &[u8]) {
-    let () = redis::cmd("SET")
-        .arg(key)
-        .arg(bytes)
-        .query_async(conn)
-        .await
-        .expect("SET");
-}
-
-fn redis_key_of(cache: &ReplayCache, tenant: i64, key: &str) -> String {
-    cache.redis_key(&scope_hash(&tenant).unwrap(), key)
-}
-
 /// The receipt's `id`: the effect row the request made.
 fn receipt_id(reply: &Result<idem::Idempotent<Receipt>, AppError>) -> i64 {
     reply.as_ref().expect("a receipt").id
@@ -52,9 +21,9 @@ async fn an_altered_entry_is_refused_and_the_database_replays() {
     let cache = shared_cache();
     let first = pay(&env.pool, Some(&cache), &cmd("altered", 10.0)).await;
     let id = receipt_id(&first);
-    let mut redis = raw(&shared_url()).await;
+    let mut redis = raw_redis(&shared_url()).await;
     let at = redis_key_of(&cache, 7, "altered");
-    let entry = get(&mut redis, &at).await;
+    let entry = redis_get(&mut redis, &at).await.expect("an entry");
     let needle = format!("\"id\":{id},").into_bytes();
     let pos = entry
         .windows(needle.len())
@@ -63,7 +32,7 @@ async fn an_altered_entry_is_refused_and_the_database_replays() {
     let mut forged = entry[..pos].to_vec();
     forged.extend_from_slice(b"\"id\":999999,");
     forged.extend_from_slice(&entry[pos + needle.len()..]);
-    set(&mut redis, &at, &forged).await;
+    redis_set(&mut redis, &at, &forged).await;
 
     let (counted, proxy) = env.counted_pool(&cache).await;
     let duplicate = pay(&counted, Some(&cache), &cmd("altered", 10.0)).await;
@@ -95,11 +64,13 @@ async fn an_entry_copied_to_another_tenant_is_refused_and_that_tenants_request_r
     let env = env().await;
     let cache = shared_cache();
     let a = pay(&env.pool, Some(&cache), &cmd("tenant-a", 10.0)).await;
-    let mut redis = raw(&shared_url()).await;
-    let entry = get(&mut redis, &redis_key_of(&cache, 7, "tenant-a")).await;
-    set(&mut redis, &redis_key_of(&cache, 9, "tenant-c"), &entry).await;
+    let mut redis = raw_redis(&shared_url()).await;
+    let entry = redis_get(&mut redis, &redis_key_of(&cache, 7, "tenant-a"))
+        .await
+        .expect("an entry");
+    redis_set(&mut redis, &redis_key_of(&cache, 9, "tenant-c"), &entry).await;
     // And under A's own tenant for another key: the key is sealed too.
-    set(&mut redis, &redis_key_of(&cache, 7, "other-key"), &entry).await;
+    redis_set(&mut redis, &redis_key_of(&cache, 7, "other-key"), &entry).await;
 
     for (tenant, key) in [(9, "tenant-c"), (7, "other-key")] {
         let request = Cmd {
@@ -138,7 +109,7 @@ async fn an_entry_kept_past_its_time_is_refused() {
     pay(&env.pool, Some(&cache), &cmd("persisted", 10.0))
         .await
         .unwrap();
-    let mut redis = raw(&url).await;
+    let mut redis = raw_redis(&url).await;
     let kept: i64 = redis::cmd("PERSIST")
         .arg(redis_key_of(&cache, 7, "persisted"))
         .query_async(&mut redis)
@@ -227,9 +198,9 @@ async fn rotating_the_secret_invalidates_every_entry() {
     pay(&env.pool, Some(&cache), &cmd("rotated", 10.0))
         .await
         .unwrap();
-    let mut redis = raw(&url).await;
+    let mut redis = raw_redis(&url).await;
     let at = redis_key_of(&cache, 7, "rotated");
-    let sealed_before = get(&mut redis, &at).await;
+    let sealed_before = redis_get(&mut redis, &at).await.expect("an entry");
     env.client
         .batch_execute(
             "UPDATE idem_cache_secret SET secret = \
@@ -245,7 +216,7 @@ async fn rotating_the_secret_invalidates_every_entry() {
     // which sealed the entry again under the new secret.
     assert_eq!(proxy.accepted(), 1);
     assert_ne!(
-        get(&mut redis, &at).await,
+        redis_get(&mut redis, &at).await.expect("an entry"),
         sealed_before,
         "the database answered and the entry was sealed again"
     );

@@ -18,6 +18,7 @@ use idem_testing::TestDatabase;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
+mod attack_s54;
 mod counted;
 mod failures;
 mod forged;
@@ -283,17 +284,43 @@ async fn cached_in_redis(url: &str, cache: &ReplayCache, key: &str) -> bool {
 
 /// The entry's PTTL in ms (-2: no entry).
 async fn redis_ttl_ms(url: &str, cache: &ReplayCache, key: &str) -> i64 {
-    let client = redis::Client::open(url).expect("a Redis URL");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect to Redis");
-    let scope = scope_hash(&7_i64).unwrap();
+    let mut conn = raw_redis(url).await;
     redis::cmd("PTTL")
-        .arg(cache.redis_key(&scope, key))
+        .arg(redis_key_of(cache, 7, key))
         .query_async(&mut conn)
         .await
         .expect("PTTL")
+}
+
+/// A raw client of the test's own on `url`, not through the cache.
+async fn raw_redis(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("a Redis URL")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to Redis")
+}
+
+/// The Redis key of the cache's entry for `tenant`'s `key`.
+fn redis_key_of(cache: &ReplayCache, tenant: i64, key: &str) -> String {
+    cache.redis_key(&scope_hash(&tenant).unwrap(), key)
+}
+
+async fn redis_get(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<Vec<u8>> {
+    redis::cmd("GET")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("GET")
+}
+
+async fn redis_set(conn: &mut redis::aio::MultiplexedConnection, key: &str, bytes: &[u8]) {
+    let () = redis::cmd("SET")
+        .arg(key)
+        .arg(bytes)
+        .query_async(conn)
+        .await
+        .expect("SET");
 }
 
 /// Keeps a shared cache's URL beside it.

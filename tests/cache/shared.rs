@@ -61,12 +61,8 @@ async fn a_forged_key_of_another_type_costs_only_that_key() {
         pay(&env.pool, Some(&cache), &cmd(key, 10.0)).await.unwrap();
         env.mark_stored_response(key).await;
     }
-    let client = redis::Client::open(shared_url()).expect("a Redis URL");
-    let mut redis = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect to Redis");
-    let hot = cache.redis_key(&scope_hash(&7_i64).unwrap(), "hot");
+    let mut redis = raw_redis(&shared_url()).await;
+    let hot = redis_key_of(&cache, 7, "hot");
     let () = redis::cmd("DEL")
         .arg(&hot)
         .query_async(&mut redis)

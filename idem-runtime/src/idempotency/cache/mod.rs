@@ -26,8 +26,11 @@
 //!   outcome-unknown record: only what a database replay would answer;
 //! * an entry lives at most [`CacheConfig::max_ttl`], and at most half of
 //!   what is left of the record's retention (by the database's clock), so it
-//!   never outlives the record it copies; the time it may be served until is
-//!   sealed in it, so removing its TTL in Redis does not keep it alive.
+//!   never outlives the record's retention; the time it may be served until
+//!   is sealed in it, so removing its TTL in Redis does not keep it alive. A
+//!   record an operator corrects or deletes by hand (`idem key settle
+//!   --force`) may still be answered from an entry copied before, until it
+//!   expires.
 //!
 //! Entries are keyed by a SHA-256 of the stored scope and the key (records
 //! are one per (scope, key)), under [`CacheConfig::prefix`]; the caller's
@@ -59,7 +62,10 @@ pub struct CacheConfig {
     /// Default 1 s.
     pub backoff: Duration,
     /// The longest an entry is kept. Default 5 min; an entry is also kept at
-    /// most half of what is left of its record's retention.
+    /// most half of what is left of its record's retention. It is also how
+    /// long a record an operator corrected or deleted by hand
+    /// (`idem key settle --force`) may still be answered from its entry.
+    /// Under a millisecond, no entry is written.
     pub max_ttl: Duration,
     /// Prepended to every key the cache writes. Default `idem:replay:`.
     pub prefix: String,
@@ -67,7 +73,8 @@ pub struct CacheConfig {
     /// the database; it is read again in the background after half of it.
     /// An entry of a database's earlier life (before a restore, a re-creation
     /// or a rotation of its secret) is served at most this long after the
-    /// key was last read from it. Default 1 s.
+    /// key was last read from it. Default 1 s. Zero reads the key from the
+    /// database before every lookup, which costs what the cache saves.
     pub recheck: Duration,
 }
 
