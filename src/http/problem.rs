@@ -327,8 +327,9 @@ impl From<&Error> for Problem {
                 status_of(e),
                 problem_type::IN_PROGRESS,
                 "Request in progress",
-                "the first request with this Idempotency-Key is still being processed; retry \
-                 later with the same key to get its response",
+                "the first request with this Idempotency-Key has not finished: it is still \
+                 running, or it was interrupted and its claim has not expired yet; retry later \
+                 with the same key to get its outcome",
             )
             .retry_after(1),
             Error::ClaimLost => Problem::new(

@@ -105,6 +105,18 @@ fn commit_unknown_says_retry_with_the_same_key() {
     assert!(o.detail().contains("may have reached"), "{o}");
 }
 
+/// A repeat of a request whose caller hung up mid outside call also gets
+/// `InProgress` until the claim's lease runs out: the text must not promise
+/// that the first request is still running.
+#[test]
+fn in_progress_says_the_first_may_have_been_interrupted() {
+    let p = Problem::from(Error::InProgress);
+    assert!(p.detail().contains("interrupted"), "{p}");
+    assert!(!p.detail().contains("being processed"), "{p}");
+    let response = p.into_response();
+    assert_eq!(response.headers()["retry-after"], "1");
+}
+
 #[test]
 fn round_trips_through_json() {
     let p = Problem::from(VersionedError::Stale {
