@@ -43,7 +43,9 @@
 //! | [`CreateOnceError::Mismatch`] (a key reused for another request) | 422 | [`problem_type::FINGERPRINT_MISMATCH`] |
 //! | [`CreateOnceError::Conflict`] (another row holds a unique value) | 409 | [`problem_type::UNIQUE_CONFLICT`] |
 //! | [`CreateOnceError::MissingKey`] | 400 | [`problem_type::IDEMPOTENCY_KEY_MISSING`] |
-//! | anything else (database, serialization) | 500, details logged, not sent | [`problem_type::INTERNAL`] |
+//! | a database error of [`Error`], [`VersionedError`] or [`CreateOnceError`] that a retry loop would have replayed, reaching the handler unreplayed: a lost race (40001, 40P01) | 409, `attempts: 1` | [`problem_type::RETRIES_EXHAUSTED`] |
+//! | the same: rows locked past a `lock_timeout` of the handler's own, or `NOWAIT` (55P03) | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |
+//! | anything else (database, serialization, a connection lost: it may have committed) | 500, details logged, not sent | [`problem_type::INTERNAL`] |
 //!
 //! # Keeping the first status
 //!

@@ -5,9 +5,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::etag::{etag_for_version, EtagError};
-use super::HttpStatus;
+use super::{status::unreplayed, HttpStatus};
 use crate::idempotency::OUTCOME_UNKNOWN_MESSAGE;
-use crate::{CreateOnceError, Error, VersionedError};
+use crate::{CreateOnceError, Error, Transient, VersionedError};
 
 /// The `type` URIs of the problems idem answers with; clients switch on these,
 /// not on `title` or `detail`.
@@ -37,14 +37,16 @@ pub mod problem_type {
     /// another system, or committed by hand in local mode) and its outcome
     /// is not known here; it is not run again until the key is settled.
     pub const OUTCOME_UNKNOWN: &str = "urn:idem:problem:outcome-unknown";
-    /// 409: every attempt lost a race for the same rows; nothing was
-    /// committed, and the request may be sent again.
+    /// 409: every attempt lost a race for the same rows (one attempt, for a
+    /// handler under no retry loop); nothing was committed, and the request
+    /// may be sent again.
     pub const RETRIES_EXHAUSTED: &str = "urn:idem:problem:retries-exhausted";
     /// 503: the connection failed while the commit was in flight; retry with
     /// the same `Idempotency-Key`, whose record tells whether it committed.
     pub const COMMIT_OUTCOME_UNKNOWN: &str = "urn:idem:problem:commit-outcome-unknown";
-    /// 503: no database connection was free in time, or the request's
-    /// deadline passed while it waited on the database; nothing was done.
+    /// 503: no database connection was free in time, the request's deadline
+    /// passed while it waited on the database, or rows it needed stayed
+    /// locked; nothing was done.
     pub const UNAVAILABLE: &str = "urn:idem:problem:unavailable";
     /// 422: the response could not be stored under the key; nothing was done.
     pub const RESPONSE_UNSTORABLE: &str = "urn:idem:problem:response-unstorable";
@@ -265,6 +267,35 @@ impl Problem {
         )
     }
 
+    /// A race lost or a lock refused that no retry loop replayed (see
+    /// [`unreplayed`]), else a 500. Logged as a warning: the handler may
+    /// want `#[retryable]`.
+    fn unreplayed_or_internal(e: &(impl Transient + HttpStatus + std::fmt::Display)) -> Problem {
+        let Some(status) = unreplayed(e) else {
+            return Problem::internal(e);
+        };
+        tracing::warn!(error = %e, status, "a transient failure outside a retry loop, not replayed");
+        if status == 409 {
+            Problem::new(
+                status_of(e),
+                problem_type::RETRIES_EXHAUSTED,
+                "Lost a race",
+                "the request lost the race for the same data to another one and was not \
+                 replayed; nothing of it was committed, and it is safe to send it again",
+            )
+            .with("attempts", 1)
+        } else {
+            Problem::new(
+                status_of(e),
+                problem_type::UNAVAILABLE,
+                "Rows locked",
+                "rows the request needed were locked by another one; nothing of it was \
+                 committed, retry later",
+            )
+            .retry_after(1)
+        }
+    }
+
     fn internal(what: &dyn std::fmt::Display) -> Problem {
         tracing::error!(error = %what, "internal error, answered with 500");
         Problem::new(
@@ -404,7 +435,7 @@ impl From<&Error> for Problem {
                      Idempotency-Key ({why}); nothing was done and the key is still free"
                 ),
             ),
-            other => Problem::internal(other),
+            other => Problem::unreplayed_or_internal(other),
         }
     }
 }
@@ -444,7 +475,7 @@ impl From<&VersionedError> for Problem {
                     "the resource cannot go from state {from} to state {to}; nothing was changed"
                 ),
             ),
-            other => Problem::internal(other),
+            other => Problem::unreplayed_or_internal(other),
         }
     }
 }
@@ -474,7 +505,7 @@ impl From<&CreateOnceError> for Problem {
                 "Idempotency key missing",
                 "this request creates a resource once per idempotency key, and carries none",
             ),
-            other => Problem::internal(other),
+            other => Problem::unreplayed_or_internal(other),
         }
     }
 }

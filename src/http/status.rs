@@ -1,7 +1,7 @@
 //! The one table that decides the HTTP status of each of idem's outcomes.
 //! [`Problem`](super::Problem) takes its statuses from here.
 
-use crate::{CreateOnceError, Error, VersionedError};
+use crate::{CreateOnceError, Error, RetryCause, Transient, VersionedError};
 
 use super::etag::EtagError;
 
@@ -23,7 +23,8 @@ impl HttpStatus for Error {
     /// be stored under its key, 502 when an outside system may have acted,
     /// 503 when the database is busy (the call's deadline passed) or
     /// unreachable or the commit's outcome is unknown (retry with the same
-    /// key), 500 otherwise.
+    /// key), 409 or 503 for a race lost or a lock refused outside a retry
+    /// loop ([`unreplayed`]), 500 otherwise.
     fn http_status(&self) -> u16 {
         match self {
             Error::InvalidKey { .. } | Error::MissingKey => 400,
@@ -32,20 +33,32 @@ impl HttpStatus for Error {
             Error::Exhausted { .. } | Error::InProgress | Error::ClaimLost => 409,
             Error::OutcomeUnknown => 502,
             Error::CommitUnknown { .. } | Error::Pool(_) => 503,
-            _ => 500,
+            _ => unreplayed(self).unwrap_or(500),
         }
     }
 }
 
 impl HttpStatus for VersionedError {
     /// 412 for a stale precondition, 404, 409 for a refused or illegal
-    /// transition, 500 otherwise.
+    /// transition, 409 or 503 for a race lost or a lock refused outside a
+    /// retry loop ([`unreplayed`]), 500 otherwise.
+    ///
+    /// ```
+    /// use diesel::result::{DatabaseErrorKind, Error as DieselError};
+    /// use idem::http::HttpStatus;
+    /// use idem::VersionedError;
+    ///
+    /// let lost = DieselError::DatabaseError(DatabaseErrorKind::SerializationFailure, Box::new(String::new()));
+    /// assert_eq!(VersionedError::Database(lost).http_status(), 409);
+    /// let broken = DieselError::DatabaseError(DatabaseErrorKind::ClosedConnection, Box::new(String::new()));
+    /// assert_eq!(VersionedError::Database(broken).http_status(), 500);
+    /// ```
     fn http_status(&self) -> u16 {
         match self {
             VersionedError::Stale { .. } => 412,
             VersionedError::NotFound => 404,
             VersionedError::StateMismatch { .. } | VersionedError::IllegalTransition { .. } => 409,
-            _ => 500,
+            _ => unreplayed(self).unwrap_or(500),
         }
     }
 }
@@ -53,8 +66,10 @@ impl HttpStatus for VersionedError {
 impl HttpStatus for CreateOnceError {
     /// 422 for a key reused for another request (as for
     /// [`Error::FingerprintMismatch`]), 409 when another row holds one of
-    /// the new row's unique values, 400 for a missing key, 500 otherwise (a
-    /// missing unique index is the service's fault, not the client's).
+    /// the new row's unique values, 400 for a missing key, 409 or 503 for a
+    /// race lost or a lock refused outside a retry loop ([`unreplayed`]),
+    /// 500 otherwise (a missing unique index is the service's fault, not the
+    /// client's).
     ///
     /// ```
     /// use idem::http::HttpStatus;
@@ -66,8 +81,27 @@ impl HttpStatus for CreateOnceError {
             CreateOnceError::Mismatch { .. } => 422,
             CreateOnceError::Conflict => 409,
             CreateOnceError::MissingKey => 400,
-            _ => 500,
+            _ => unreplayed(self).unwrap_or(500),
         }
+    }
+}
+
+/// The status of a failure the retry loop replays, when it reaches a handler
+/// unreplayed: a statement outside `#[retryable]` (or `#[idempotent]`, whose
+/// loop ends in [`Error::Exhausted`] instead). A lost race (40001
+/// serialization failure, 40P01 deadlock) is 409, as when a loop's attempts
+/// run out: nothing of the transaction committed and the request may be sent
+/// again. Rows locked elsewhere (55P03: `NOWAIT`, a `lock_timeout` of the
+/// handler's own) are 503, as a loop's lock timeout is. A lost connection is
+/// not here (500): an autocommitted statement may have committed.
+///
+/// Only the database error variants reach it; the other variants are
+/// matched before.
+pub(super) fn unreplayed(e: &impl Transient) -> Option<u16> {
+    match e.transient()? {
+        RetryCause::SerializationFailure | RetryCause::Deadlock => Some(409),
+        RetryCause::LockNotAvailable => Some(503),
+        _ => None,
     }
 }
 

@@ -9,6 +9,7 @@
 
 mod keys;
 mod preconditions;
+mod transient;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -239,8 +240,8 @@ async fn start_with(max_size: usize, wait_timeout: Duration) -> App {
     let app = Router::new()
         .route("/{mode}/{t}", post(pay_h))
         .route("/t/{t}/docs/{id}", get(get_doc).patch(patch_doc))
-        .route("/optional", post(optional))
-        .with_state(pool.clone());
+        .route("/optional", post(optional));
+    let app = transient::routes(app).with_state(pool.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().expect("address");
     tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });

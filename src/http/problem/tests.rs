@@ -1,6 +1,8 @@
 //! The statuses and bodies of `Problem`, per idem error.
 use std::time::Duration;
 
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
+
 use super::*;
 use crate::RetryCause;
 
@@ -115,6 +117,80 @@ fn in_progress_says_the_first_may_have_been_interrupted() {
     assert!(!p.detail().contains("being processed"), "{p}");
     let response = p.into_response();
     assert_eq!(response.headers()["retry-after"], "1");
+}
+
+fn database(kind: DatabaseErrorKind, message: &str) -> DieselError {
+    DieselError::DatabaseError(kind, Box::new(message.to_string()))
+}
+
+/// A race lost or a lock refused outside a retry loop is the client's to
+/// retry, in each error type that carries a database error; a lost
+/// connection (it may have committed) and any other database error stay 500.
+#[test]
+fn unreplayed_transients_are_409_or_503_in_every_error_type() {
+    let cases = [
+        (
+            DatabaseErrorKind::SerializationFailure,
+            "could not serialize access",
+            409,
+            problem_type::RETRIES_EXHAUSTED,
+        ),
+        (
+            DatabaseErrorKind::Unknown,
+            "deadlock detected",
+            409,
+            problem_type::RETRIES_EXHAUSTED,
+        ),
+        (
+            DatabaseErrorKind::Unknown,
+            "could not obtain lock on row in relation \"t\"",
+            503,
+            problem_type::UNAVAILABLE,
+        ),
+        (
+            DatabaseErrorKind::Unknown,
+            "canceling statement due to lock timeout",
+            503,
+            problem_type::UNAVAILABLE,
+        ),
+        (
+            DatabaseErrorKind::ClosedConnection,
+            "server closed the connection",
+            500,
+            problem_type::INTERNAL,
+        ),
+        (
+            DatabaseErrorKind::UniqueViolation,
+            "duplicate key",
+            500,
+            problem_type::INTERNAL,
+        ),
+        (
+            DatabaseErrorKind::Unknown,
+            "division by zero",
+            500,
+            problem_type::INTERNAL,
+        ),
+    ];
+    for (kind, message, status, type_uri) in cases {
+        let problems = [
+            Problem::from(Error::Database(database(kind, message))),
+            Problem::from(VersionedError::Database(database(kind, message))),
+            Problem::from(CreateOnceError::Database(database(kind, message))),
+        ];
+        for p in problems {
+            assert_eq!(p.status().as_u16(), status, "{message}: {p}");
+            assert_eq!(p.type_uri(), type_uri, "{message}: {p}");
+            assert!(!p.detail().contains(message), "no SQL detail is sent: {p}");
+            let retry_after = p.into_response().headers().get("retry-after").cloned();
+            assert_eq!(retry_after.is_some(), status == 503, "{message}");
+        }
+    }
+    assert_eq!(
+        VersionedError::Database(database(DatabaseErrorKind::SerializationFailure, ""))
+            .http_status(),
+        409
+    );
 }
 
 #[test]
