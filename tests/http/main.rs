@@ -7,6 +7,7 @@
 //! status the table in src/http.rs gives its `type`, short, with no SQL and
 //! nothing of another tenant in it. What each test attacks is on the test.
 
+mod attack_s55;
 mod keys;
 mod preconditions;
 mod transient;
