@@ -32,7 +32,7 @@
 //! | [`Error::OutcomeUnknown`] (external mode; local mode after a body's own `COMMIT`) | 502 | [`problem_type::OUTCOME_UNKNOWN`] |
 //! | [`Error::ClaimLost`] (external mode) | 409 | [`problem_type::IN_PROGRESS`] |
 //! | [`Error::Exhausted`] (lost races) | 409 | [`problem_type::RETRIES_EXHAUSTED`] |
-//! | [`Error::Exhausted`] (the deadline passed: [`RetryCause::is_timeout`](crate::RetryCause::is_timeout)) | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |
+//! | [`Error::Exhausted`] (the deadline passed: [`RetryCause::is_timeout`](crate::RetryCause::is_timeout); or rows stayed locked through every attempt: [`RetryCause::LockNotAvailable`](crate::RetryCause::LockNotAvailable)) | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |
 //! | [`Error::CommitUnknown`] (wherever the commit was) | 503, `Retry-After: 1` | [`problem_type::COMMIT_OUTCOME_UNKNOWN`] |
 //! | [`Error::Pool`] | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |
 //! | `If-Match` missing where required | 428 | [`problem_type::PRECONDITION_REQUIRED`] |
@@ -43,7 +43,7 @@
 //! | [`CreateOnceError::Mismatch`] (a key reused for another request) | 422 | [`problem_type::FINGERPRINT_MISMATCH`] |
 //! | [`CreateOnceError::Conflict`] (another row holds a unique value) | 409 | [`problem_type::UNIQUE_CONFLICT`] |
 //! | [`CreateOnceError::MissingKey`] | 400 | [`problem_type::IDEMPOTENCY_KEY_MISSING`] |
-//! | a database error of [`Error`], [`VersionedError`] or [`CreateOnceError`] that a retry loop would have replayed, reaching the handler unreplayed: a lost race (40001, 40P01) | 409, `attempts: 1` | [`problem_type::RETRIES_EXHAUSTED`] |
+//! | a database error of [`Error`], [`VersionedError`] or [`CreateOnceError`] that a retry loop would have replayed, reaching the handler unreplayed (as [`Transient`](crate::Transient) reads it): a lost race (40001, 40P01); the transaction that lost was rolled back, what the handler committed before it stays | 409, `attempts: 1` | [`problem_type::RETRIES_EXHAUSTED`] |
 //! | the same: rows locked past a `lock_timeout` of the handler's own, or `NOWAIT` (55P03) | 503, `Retry-After: 1` | [`problem_type::UNAVAILABLE`] |
 //! | anything else (database, serialization, a connection lost: it may have committed) | 500, details logged, not sent | [`problem_type::INTERNAL`] |
 //!

@@ -5,7 +5,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::etag::{etag_for_version, EtagError};
-use super::{status::unreplayed, HttpStatus};
+use super::status::{busy, unreplayed};
+use super::HttpStatus;
 use crate::idempotency::OUTCOME_UNKNOWN_MESSAGE;
 use crate::{CreateOnceError, Error, Transient, VersionedError};
 
@@ -37,16 +38,18 @@ pub mod problem_type {
     /// another system, or committed by hand in local mode) and its outcome
     /// is not known here; it is not run again until the key is settled.
     pub const OUTCOME_UNKNOWN: &str = "urn:idem:problem:outcome-unknown";
-    /// 409: every attempt lost a race for the same rows (one attempt, for a
-    /// handler under no retry loop); nothing was committed, and the request
-    /// may be sent again.
+    /// 409: every attempt lost a race for the same rows; nothing was
+    /// committed, and the request may be sent again. Also a race lost by a
+    /// handler under no retry loop (`attempts: 1`): then only the
+    /// transaction that lost is known to have been rolled back.
     pub const RETRIES_EXHAUSTED: &str = "urn:idem:problem:retries-exhausted";
     /// 503: the connection failed while the commit was in flight; retry with
     /// the same `Idempotency-Key`, whose record tells whether it committed.
     pub const COMMIT_OUTCOME_UNKNOWN: &str = "urn:idem:problem:commit-outcome-unknown";
     /// 503: no database connection was free in time, the request's deadline
     /// passed while it waited on the database, or rows it needed stayed
-    /// locked; nothing was done.
+    /// locked; nothing was done (under no retry loop: the transaction that
+    /// waited was rolled back).
     pub const UNAVAILABLE: &str = "urn:idem:problem:unavailable";
     /// 422: the response could not be stored under the key; nothing was done.
     pub const RESPONSE_UNSTORABLE: &str = "urn:idem:problem:response-unstorable";
@@ -269,7 +272,10 @@ impl Problem {
 
     /// A race lost or a lock refused that no retry loop replayed (see
     /// [`unreplayed`]), else a 500. Logged as a warning: the handler may
-    /// want `#[retryable]`.
+    /// want `#[retryable]`. The text says only that the transaction that
+    /// failed was rolled back: a handler outside a loop may have committed
+    /// statements before it (autocommit), and the request is then not safe
+    /// to send again as it would be after [`Error::Exhausted`].
     fn unreplayed_or_internal(e: &(impl Transient + HttpStatus + std::fmt::Display)) -> Problem {
         let Some(status) = unreplayed(e) else {
             return Problem::internal(e);
@@ -280,8 +286,8 @@ impl Problem {
                 status_of(e),
                 problem_type::RETRIES_EXHAUSTED,
                 "Lost a race",
-                "the request lost the race for the same data to another one and was not \
-                 replayed; nothing of it was committed, and it is safe to send it again",
+                "the request lost a race for the same data to another one and was not \
+                 replayed: the transaction that lost was rolled back",
             )
             .with("attempts", 1)
         } else {
@@ -289,8 +295,8 @@ impl Problem {
                 status_of(e),
                 problem_type::UNAVAILABLE,
                 "Rows locked",
-                "rows the request needed were locked by another one; nothing of it was \
-                 committed, retry later",
+                "rows the request needed stayed locked by another one: the transaction that \
+                 waited was rolled back; retry later",
             )
             .retry_after(1)
         }
@@ -392,6 +398,22 @@ impl From<&Error> for Problem {
                     "the database could not finish the request within its deadline ({} ms, {attempts} \
                      attempt(s)): rows it needed stayed locked, or a statement ran long; nothing \
                      was committed, retry later",
+                    elapsed.as_millis()
+                ),
+            )
+            .with("attempts", *attempts)
+            .retry_after(1),
+            Error::Exhausted {
+                attempts,
+                elapsed,
+                last_cause,
+            } if busy(*last_cause) => Problem::new(
+                status_of(e),
+                problem_type::UNAVAILABLE,
+                "Rows locked",
+                format!(
+                    "rows the request needed stayed locked by another one through {attempts} \
+                     attempt(s) in {} ms; nothing was committed, retry later",
                     elapsed.as_millis()
                 ),
             )

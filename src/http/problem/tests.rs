@@ -54,6 +54,16 @@ fn statuses_follow_the_table() {
             problem_type::UNAVAILABLE,
         ),
         (
+            Error::Exhausted {
+                attempts: 3,
+                elapsed: Duration::from_millis(80),
+                last_cause: RetryCause::LockNotAvailable,
+            }
+            .into(),
+            503,
+            problem_type::UNAVAILABLE,
+        ),
+        (
             Error::CommitUnknown {
                 attempts: 1,
                 elapsed: Duration::ZERO,
