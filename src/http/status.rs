@@ -24,8 +24,8 @@ impl HttpStatus for Error {
     /// 503 when the database is busy (the call's deadline passed, or rows
     /// stayed locked through every attempt) or unreachable or the commit's
     /// outcome is unknown (retry with the same key), 409 or 503 for a race
-    /// lost or a lock refused outside a retry loop (see [the table](crate::http)), 500
-    /// otherwise.
+    /// lost or a lock refused outside a retry loop (see
+    /// [the table](crate::http)), 500 otherwise.
     fn http_status(&self) -> u16 {
         match self {
             Error::InvalidKey { .. } | Error::MissingKey => 400,
@@ -68,9 +68,9 @@ impl HttpStatus for CreateOnceError {
     /// 422 for a key reused for another request (as for
     /// [`Error::FingerprintMismatch`]), 409 when another row holds one of
     /// the new row's unique values, 400 for a missing key, 409 or 503 for a
-    /// race lost or a lock refused outside a retry loop (see [the table](crate::http)),
-    /// 500 otherwise (a missing unique index is the service's fault, not the
-    /// client's).
+    /// race lost or a lock refused outside a retry loop (see
+    /// [the table](crate::http)), 500 otherwise (a missing unique index is
+    /// the service's fault, not the client's).
     ///
     /// ```
     /// use idem::http::HttpStatus;

@@ -348,9 +348,11 @@ async fn a_backend_terminated_mid_statement_is_500() {
             .map_err(IdemError::from)?;
         Ok::<_, AppError>(())
     });
-    let sleeping = "SELECT count(*) AS n FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(10)'";
+    let sleeping = format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE pid = {pid} AND query = 'SELECT pg_sleep(10)'"
+    );
     let until = Instant::now() + Duration::from_secs(10);
-    while app.count(sleeping).await == 0 {
+    while app.count(&sleeping).await == 0 {
         assert!(Instant::now() < until);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
