@@ -7,7 +7,6 @@
 //! as the response a client gets and checked by `Reply::problem`.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::to_bytes;
 use idem::Creation;
@@ -66,33 +65,10 @@ async fn expect(problem: Problem, kind: &str) -> Value {
     reply.problem(kind)
 }
 
-async fn connect(url: &str) -> AsyncPgConnection {
-    AsyncPgConnection::establish(url)
-        .await
-        .expect("a connection")
-}
-
 async fn started() -> App {
     let mut app = start().await;
     app.1.batch_execute(ORDERS).await.expect("orders");
     app
-}
-
-/// Polls until a backend of the test's database waits on a lock.
-async fn until_waiting(conn: &mut AsyncPgConnection) {
-    let sql = "SELECT count(*) AS n FROM pg_stat_activity \
-               WHERE datname = current_database() AND wait_event_type = 'Lock'";
-    let until = Instant::now() + Duration::from_secs(10);
-    while diesel::sql_query(sql)
-        .get_result::<N>(conn)
-        .await
-        .unwrap()
-        .n
-        == 0
-    {
-        assert!(Instant::now() < until, "nobody waits on a lock");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn set(body: &str) -> SetBody {
@@ -290,8 +266,7 @@ async fn a_nowait_refused_on_every_attempt_is_503_as_without_a_loop() {
     let mut app = started().await;
     let url = app.3.url().to_owned();
     let mut holder = connect(&url).await;
-    let hold = "BEGIN; SELECT 1 FROM docs WHERE tenant_id = 1 AND id = 1 FOR UPDATE";
-    holder.batch_execute(hold).await.unwrap();
+    holder.batch_execute(HOLD_DOC).await.unwrap();
     let err = nowait(&app.2).await.expect_err("refused");
     holder.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(attempts(&mut app).await, 2, "{err:?}");
@@ -313,19 +288,14 @@ async fn a_backend_terminated_mid_statement_is_500() {
     let mut app = started().await;
     let url = app.3.url().to_owned();
     let mut holder = connect(&url).await;
-    let hold = "BEGIN; SELECT 1 FROM docs WHERE tenant_id = 1 AND id = 1 FOR UPDATE";
-    holder.batch_execute(hold).await.unwrap();
+    holder.batch_execute(HOLD_DOC).await.unwrap();
     let mut conn = app.2.get().await.unwrap();
-    let pid = diesel::sql_query("SELECT pg_backend_pid()::int8 AS n")
-        .get_result::<N>(&mut conn)
-        .await
-        .unwrap()
-        .n;
+    let pid = backend_pid(&mut conn).await;
     let call = tokio::spawn(async move {
         let u = Doc::update(1).tenant(1).expect_version(0);
         u.set(&set("killed")).execute(&mut conn).await
     });
-    until_waiting(&mut app.1).await;
+    until_positive(&mut app.1, WAITING).await;
     let kill = format!("SELECT pg_terminate_backend({pid})::int::int8 AS n");
     app.count(&kill).await;
     let err = call.await.unwrap().expect_err("terminated");
@@ -334,11 +304,7 @@ async fn a_backend_terminated_mid_statement_is_500() {
     assert_eq!(app.doc(1, 1).await, ("tenant one".to_owned(), 0));
 
     let mut conn = app.2.get().await.unwrap();
-    let pid = diesel::sql_query("SELECT pg_backend_pid()::int8 AS n")
-        .get_result::<N>(&mut conn)
-        .await
-        .unwrap()
-        .n;
+    let pid = backend_pid(&mut conn).await;
     let call = tokio::spawn(async move {
         let u = Doc::update(1).tenant(1).expect_version(0);
         u.set(&set("committed")).execute(&mut conn).await?;
@@ -351,11 +317,7 @@ async fn a_backend_terminated_mid_statement_is_500() {
     let sleeping = format!(
         "SELECT count(*) AS n FROM pg_stat_activity WHERE pid = {pid} AND query = 'SELECT pg_sleep(10)'"
     );
-    let until = Instant::now() + Duration::from_secs(10);
-    while app.count(&sleeping).await == 0 {
-        assert!(Instant::now() < until);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_positive(&mut app.1, &sleeping).await;
     app.count(&format!(
         "SELECT pg_terminate_backend({pid})::int::int8 AS n"
     ))
@@ -387,8 +349,7 @@ async fn a_lock_refused_by_timeout_or_nowait_is_503() {
     let mut app = started().await;
     let url = app.3.url().to_owned();
     let mut holder = connect(&url).await;
-    let hold = "BEGIN; SELECT 1 FROM docs WHERE tenant_id = 1 AND id = 1 FOR UPDATE";
-    holder.batch_execute(hold).await.unwrap();
+    holder.batch_execute(HOLD_DOC).await.unwrap();
     let mut c = connect(&url).await;
     c.batch_execute("SET lock_timeout = '100ms'").await.unwrap();
     let u = Doc::update(1).tenant(1).expect_version(0);
@@ -418,8 +379,7 @@ async fn a_statement_timeout_or_cancel_of_the_handlers_own_is_500() {
     let mut app = started().await;
     let url = app.3.url().to_owned();
     let mut holder = connect(&url).await;
-    let hold = "BEGIN; SELECT 1 FROM docs WHERE tenant_id = 1 AND id = 1 FOR UPDATE";
-    holder.batch_execute(hold).await.unwrap();
+    holder.batch_execute(HOLD_DOC).await.unwrap();
     let mut c = connect(&url).await;
     c.batch_execute("SET statement_timeout = '100ms'")
         .await
@@ -436,16 +396,12 @@ async fn a_statement_timeout_or_cancel_of_the_handlers_own_is_500() {
         .await;
     expect(Problem::from(IdemError::from(slept.unwrap_err())), INTERNAL).await;
     c.batch_execute("SET statement_timeout = 0").await.unwrap();
-    let pid = diesel::sql_query("SELECT pg_backend_pid()::int8 AS n")
-        .get_result::<N>(&mut c)
-        .await
-        .unwrap()
-        .n;
+    let pid = backend_pid(&mut c).await;
     let call = tokio::spawn(async move {
         let u = Doc::update(1).tenant(1).expect_version(0);
         u.set(&set("y")).execute(&mut c).await
     });
-    until_waiting(&mut app.1).await;
+    until_positive(&mut app.1, WAITING).await;
     app.count(&format!("SELECT pg_cancel_backend({pid})::int::int8 AS n"))
         .await;
     let err = call.await.unwrap().expect_err("cancelled");
@@ -477,7 +433,7 @@ async fn a_deadlock_after_an_autocommitted_write_claims_nothing_of_it() {
         diesel::sql_query(locks).execute(&mut conn).await?;
         Ok::<_, AppError>(())
     });
-    until_waiting(&mut app.1).await;
+    until_positive(&mut app.1, WAITING).await;
     let crossing = other
         .batch_execute("SELECT pg_advisory_xact_lock(31)")
         .await;
@@ -539,8 +495,7 @@ async fn a_lock_timeout_after_an_autocommitted_write_claims_nothing_of_it() {
     let mut app = started().await;
     let url = app.3.url().to_owned();
     let mut holder = connect(&url).await;
-    let hold = "BEGIN; SELECT 1 FROM docs WHERE tenant_id = 1 AND id = 1 FOR UPDATE";
-    holder.batch_execute(hold).await.unwrap();
+    holder.batch_execute(HOLD_DOC).await.unwrap();
     let mut conn = connect(&url).await;
     conn.batch_execute("SET lock_timeout = '100ms'")
         .await

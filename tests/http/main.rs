@@ -382,3 +382,38 @@ const BODY: &str = r#"{"amount": 100, "merchant": "m1"}"#;
 fn key(value: &str) -> Vec<u8> {
     format!("idempotency-key: {value}").into_bytes()
 }
+
+async fn connect(url: &str) -> AsyncPgConnection {
+    AsyncPgConnection::establish(url)
+        .await
+        .expect("a connection")
+}
+
+/// Polls `sql` (a count) on `conn` until it is positive, for 10 s at most.
+async fn until_positive(conn: &mut AsyncPgConnection, sql: &str) {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while diesel::sql_query(sql)
+        .get_result::<N>(conn)
+        .await
+        .unwrap()
+        .n
+        == 0
+    {
+        assert!(std::time::Instant::now() < until, "never: {sql}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A backend of this test's database waiting on a lock (a row's or an
+/// advisory one).
+const WAITING: &str = "SELECT count(*) AS n FROM pg_stat_activity \
+                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
+
+/// Locks tenant 1's document 1 in a transaction left open.
+const HOLD_DOC: &str = "BEGIN; SELECT 1 FROM docs WHERE tenant_id = 1 AND id = 1 FOR UPDATE";
+
+/// The server process of `conn`.
+async fn backend_pid(conn: &mut AsyncPgConnection) -> i64 {
+    let pid = diesel::sql_query("SELECT pg_backend_pid()::int8 AS n");
+    pid.get_result::<N>(conn).await.unwrap().n
+}

@@ -3,8 +3,6 @@
 //! `lock_timeout` of the handler's own) answer 409 or 503 with nothing
 //! written, not 500.
 
-use std::time::Instant;
-
 use axum::routing::patch;
 
 use super::*;
@@ -45,26 +43,6 @@ async fn unretried((State(p), Path((t, id, how))): Pool2<(i64, i64, String)>) ->
     Ok(WithETag(doc.version, Json(doc)))
 }
 
-/// Polls `sql` (a count) on `conn` until it is positive, for 10 s at most.
-async fn until_positive(conn: &mut AsyncPgConnection, sql: &str) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while diesel::sql_query(sql)
-        .get_result::<N>(conn)
-        .await
-        .unwrap()
-        .n
-        == 0
-    {
-        assert!(Instant::now() < until, "never: {sql}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A backend of this test's database waiting on a lock (a row's or an
-/// advisory one).
-const WAITING: &str = "SELECT count(*) AS n FROM pg_stat_activity \
-                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
-
 /// A writer at REPEATABLE READ whose snapshot predates a committed write of
 /// its row gets 40001 from the server: 409 `retries-exhausted` with
 /// `attempts: 1`, no `Retry-After`, and the winner's write is all there is.
@@ -101,8 +79,7 @@ async fn a_race_lost_outside_a_retry_loop_is_409_and_writes_nothing() {
 #[tokio::test]
 async fn a_lock_refused_outside_a_retry_loop_is_503_and_writes_nothing() {
     let mut app = start().await;
-    let hold = "BEGIN; SELECT 1 FROM docs WHERE tenant_id = 1 AND id = 1 FOR UPDATE";
-    app.1.batch_execute(hold).await.unwrap();
+    app.1.batch_execute(HOLD_DOC).await.unwrap();
     let reply = send(app.0, "PATCH", "/t/1/docs/1/locked", &[], "").await;
     reply.problem(UNAVAILABLE);
     app.1.batch_execute("ROLLBACK").await.unwrap();
@@ -152,10 +129,4 @@ async fn a_deadlock_victim_is_409() {
     let query = diesel::sql_query(docs).bind::<Text, _>(won);
     let n = query.get_result::<N>(&mut watch).await.unwrap().n;
     assert_eq!(n, 2, "both documents hold the winner's write, once");
-}
-
-async fn connect(url: &str) -> AsyncPgConnection {
-    AsyncPgConnection::establish(url)
-        .await
-        .expect("a connection")
 }
