@@ -14,7 +14,9 @@ use idem_runtime::idempotency::{validate_key, KeyInput};
 /// escapes allowed). A bare value without quotes is accepted too
 /// (`Idempotency-Key: 8e03978e-...`), as many clients send it: visible ASCII
 /// without spaces, quotes, backslashes, commas or semicolons. The key is then
-/// checked like every idem key: 1 to 255 bytes.
+/// checked like every idem key: 1 to 255 bytes; and a quoted key of spaces
+/// only (`"  "`), which no client means to send (an empty value padded), is
+/// refused as blank.
 ///
 /// As an extractor, `IdempotencyKey` rejects with a 400 [`Problem`] when the
 /// header is missing ([`problem_type::IDEMPOTENCY_KEY_MISSING`]), malformed,
@@ -52,6 +54,7 @@ use idem_runtime::idempotency::{validate_key, KeyInput};
 /// assert_eq!(IdempotencyKey::parse("8e03978e-40d5").unwrap().as_str(), "8e03978e-40d5");
 /// assert_eq!(IdempotencyKey::parse(r#""""#).unwrap_err().status().as_u16(), 400);
 /// assert!(IdempotencyKey::parse(r#""abc"; x=1"#).is_err());
+/// assert!(IdempotencyKey::parse(r#""   ""#).unwrap_err().detail().contains("blank"));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey(String);
@@ -74,6 +77,12 @@ impl IdempotencyKey {
         } else {
             parse_bare(value)?
         };
+        // A bare value is trimmed above, so only a quoted one gets here.
+        if !key.is_empty() && key.bytes().all(|b| b == b' ') {
+            return Err(Problem::key_invalid(
+                "the Idempotency-Key is blank (spaces only); send a value unique to the request, such as a UUID",
+            ));
+        }
         validate_key(&key).map_err(Problem::from)?;
         Ok(IdempotencyKey(key))
     }

@@ -6,7 +6,7 @@ use super::*;
 
 /// Every missing, malformed or invalid `Idempotency-Key` is a 400 problem of
 /// the documented type, and nothing is written, not even a record: empty,
-/// blank, a space, tab, backslash, semicolon or comma in a bare token, a tab
+/// blank, quoted spaces, a space, tab, backslash, semicolon or comma in a bare token, a tab
 /// in an sf-string, obs-text, UTF-8, a zero-width space, unterminated,
 /// parameters, a list, an escape sf-strings do not have, over 255 bytes
 /// (also through escapes), 10 kB, 100 kB, the header twice; also when the
@@ -21,7 +21,7 @@ async fn bad_keys_are_400_and_write_nothing() {
     let long = |n: usize| key(&"k".repeat(n));
     let mut bad: Vec<Vec<u8>> = [256, 10_000, 100_000].map(long).to_vec();
     bad.push(key(&format!("\"{}\"", "\\\\".repeat(256))));
-    let text = r#"|""|   |a b|a	b|"a	b"|a\b|"abc|"abc"; x=1|"a", "b"|"a\nb"|abc;x|a,b|"é"|ab"c|"abc"x|"abc" "d""#;
+    let text = r#"|""|   |"   "|" "|a b|a	b|"a	b"|a\b|"abc|"abc"; x=1|"a", "b"|"a\nb"|abc;x|a,b|"é"|ab"c|"abc"x|"abc" "d""#;
     bad.extend(text.split('|').map(key));
     bad.push(b"idempotency-key: caf\xe9".to_vec());
     bad.push(b"idempotency-key: \"a\xe2\x80\x8bb\"".to_vec());
