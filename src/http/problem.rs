@@ -27,7 +27,7 @@ pub mod problem_type {
     /// 400: the endpoint requires an `Idempotency-Key` header and none was sent.
     pub const IDEMPOTENCY_KEY_MISSING: &str = "urn:idem:problem:idempotency-key-missing";
     /// 400: the `Idempotency-Key` header is not an sf-string or token, or the
-    /// key is empty, longer than 255 bytes or sent twice.
+    /// key is empty, blank (spaces only), longer than 255 bytes or sent twice.
     pub const IDEMPOTENCY_KEY_INVALID: &str = "urn:idem:problem:idempotency-key-invalid";
     /// 422: the key was used before for a different request. Nothing was done.
     pub const FINGERPRINT_MISMATCH: &str = "urn:idem:problem:fingerprint-mismatch";
