@@ -30,6 +30,7 @@ use tokio::sync::Barrier;
 mod test_pool;
 
 mod attack_dropped;
+mod attack_s56;
 mod attack_savepoint;
 mod attack_seal;
 mod attack_session34;
