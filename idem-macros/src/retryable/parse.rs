@@ -138,6 +138,14 @@ impl Retryable {
             let Some(key) = meta.path.get_ident().cloned() else {
                 return Err(meta.error(format!("expected one of {KEYS}")));
             };
+            if !meta.input.peek(syn::Token![=]) {
+                // Spanned at the key: syn's own "expected `=`" points at the
+                // whole attribute when the key is the last thing in it.
+                return Err(syn::Error::new_spanned(
+                    &key,
+                    format!("`{key}` needs a value: `{key} = ..`"),
+                ));
+            }
             let value: Expr = meta.value()?.parse()?;
             if let Some((_, first)) = given.iter().find(|(k, _)| *k == key) {
                 errors.push_at(
@@ -168,7 +176,8 @@ impl Retryable {
                         settings.max = Some(n as u32);
                         Ok(())
                     }
-                    _ => Err("`max` takes a whole number of attempts, e.g. `max = 4`"),
+                    Some(_) => Err("`max` is at most 4294967295 attempts (a `u32`); a few are enough, e.g. `max = 4`"),
+                    None => Err("`max` takes a whole number of attempts, e.g. `max = 4`"),
                 },
                 "deadline_ms" => millis().map(|ms| settings.deadline_ms = Some(ms)),
                 "backoff_base_ms" => millis().map(|ms| settings.backoff_base_ms = Some(ms)),

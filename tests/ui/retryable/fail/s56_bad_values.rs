@@ -48,3 +48,15 @@ async fn policy_not_a_policy(conn: &mut AsyncPgConnection) -> Result<(), AppErro
 }
 
 fn main() {}
+
+#[retryable(max = 99999999999)]
+async fn max_too_large(conn: &mut AsyncPgConnection) -> Result<(), AppError> {
+    let _ = conn;
+    Ok(())
+}
+
+#[retryable(max)]
+async fn key_without_value(conn: &mut AsyncPgConnection) -> Result<(), AppError> {
+    let _ = conn;
+    Ok(())
+}
