@@ -2,10 +2,11 @@
 //! them apart: the vocabulary the transaction driver, the retry loop and the
 //! one error type share.
 //!
-//! The retry loop does not classify by message text. Its connections are
-//! read on the wire ([`crate::pool`]), where every failed statement comes with
-//! its SQLSTATE, whichever diesel call ran it: [`from_sqlstate`] is what the
-//! loop replays for. The [`Transient`] trait classifies a diesel error by
+//! The retry loop classifies by SQLSTATE and severity, not by message text
+//! (but for one, below). Its connections are read on the wire
+//! ([`crate::pool`]), where every failed statement comes with its SQLSTATE,
+//! whichever diesel call ran it: [`from_sqlstate`] is what the loop replays
+//! for. The [`Transient`] trait classifies a diesel error by
 //! hand (diesel reports SQLSTATE only for a few classes, 40001 among them;
 //! deadlocks and lock timeouts arrive as `DatabaseErrorKind::Unknown` with
 //! the server's message, so it reads the untranslated message, which idem's
@@ -18,7 +19,10 @@
 //! how long the failed statement ran (the wire knows when it was sent): a
 //! body's own, shorter `SET LOCAL lock_timeout` keeps its meaning (55P03,
 //! [`RetryCause::LockNotAvailable`], replayed only on opt-in), and a body's own
-//! `statement_timeout` is not replayed at all.
+//! `statement_timeout` is not replayed at all. Nor is a statement someone
+//! cancelled (`pg_cancel_backend`), which the server's message tells from
+//! a timeout, nor a shutdown code (57P01, 57P02) a body raised itself,
+//! which did not end the session (its severity, FATAL or not, says so).
 
 use std::fmt;
 use std::time::Duration;
@@ -127,33 +131,58 @@ pub(crate) struct Bounds {
     pub(crate) lock: Duration,
 }
 
+/// What the server said of a failed statement besides its SQLSTATE, read
+/// off its `ErrorResponse` on the wire.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Said {
+    /// Its severity (never translated) was FATAL or PANIC: the session
+    /// ended with it. A 57P01 or 57P02 a body raises itself is an ERROR,
+    /// and its connection goes on.
+    pub(crate) fatal: bool,
+    /// A 57014 whose message is the server's for a cancel request
+    /// ([`CANCEL_REQUEST`]): someone cancelled it (an operator's
+    /// `pg_cancel_backend`, a client's cancel), not a timeout. Read from
+    /// the untranslated message, so only where the session's messages are
+    /// in English (idem's pool asks for `lc_messages = C`); a translated
+    /// one counts as not said.
+    pub(crate) cancel_request: bool,
+}
+
+/// The server's untranslated message for a statement stopped by a cancel
+/// request; a timeout's says "due to statement timeout".
+pub(crate) const CANCEL_REQUEST: &[u8] = b"canceling statement due to user request";
+
 /// What a statement that failed with SQLSTATE `code` after running for `ran`
 /// means for its transaction, under the loop's `bounds` (none: a transaction
 /// the loop did not bound).
 ///
 /// 55P03 and 57014 are the loop's own timeouts only when the statement ran
 /// as long as the loop's bound: the server cancels a statement only once its
-/// timeout has passed, and `ran` spans the whole statement, so an expiry of
-/// the loop's own timeout always ran at least as long. A fifth of margin
-/// absorbs clock differences; a body's own setting that close to the loop's
-/// is counted as the loop's, which only means it is replayed within the
-/// budget. A `NOWAIT` fails at once, so it stays 55P03's own meaning.
+/// timeout has passed, and `ran` spans the whole statement (counted from
+/// its write, or from the answer before it), so an expiry of the loop's own
+/// timeout always ran at least as long. A twentieth of margin absorbs a
+/// server's clock stepped forward; a body's own setting that close to the
+/// loop's is counted as the loop's, which only means it is replayed within
+/// the budget. A `NOWAIT` fails at once, so it stays 55P03's own meaning,
+/// and a 57014 the server says a cancel request caused is nobody's timeout.
+/// 57P01 and 57P02 are a lost connection only when they ended the session.
 pub(crate) fn from_sqlstate(
     code: &[u8; 5],
+    said: Said,
     ran: Duration,
     bounds: Option<Bounds>,
 ) -> Option<RetryCause> {
-    let at_least = |limit: Duration| ran >= limit - limit / 5;
+    let at_least = |limit: Duration| ran >= limit - limit / 20;
     match code {
         b"40001" => Some(RetryCause::SerializationFailure),
         b"40P01" => Some(RetryCause::Deadlock),
         b"55P03" if bounds.is_some_and(|b| at_least(b.lock)) => Some(RetryCause::LockTimeout),
         b"55P03" => Some(RetryCause::LockNotAvailable),
-        b"57014" if bounds.is_some_and(|b| at_least(b.statement)) => {
+        b"57014" if !said.cancel_request && bounds.is_some_and(|b| at_least(b.statement)) => {
             Some(RetryCause::DeadlineExceeded)
         }
         // admin_shutdown, crash_shutdown: the connection ends with it.
-        b"57P01" | b"57P02" => Some(RetryCause::ConnectionLost),
+        b"57P01" | b"57P02" if said.fatal => Some(RetryCause::ConnectionLost),
         _ => None,
     }
 }
@@ -227,21 +256,33 @@ mod tests {
             statement: ms(300),
             lock: ms(150),
         });
+        let fatal = Said {
+            fatal: true,
+            ..Said::default()
+        };
         assert_eq!(
-            from_sqlstate(b"40001", ms(1), bounds),
+            from_sqlstate(b"40001", Said::default(), ms(1), bounds),
             Some(RetryCause::SerializationFailure)
         );
         assert_eq!(
-            from_sqlstate(b"40P01", ms(1), None),
+            from_sqlstate(b"40P01", Said::default(), ms(1), None),
             Some(RetryCause::Deadlock)
         );
         assert_eq!(
-            from_sqlstate(b"57P01", ms(1), bounds),
+            from_sqlstate(b"57P01", fatal, ms(1), bounds),
             Some(RetryCause::ConnectionLost)
         );
+        assert_eq!(
+            from_sqlstate(b"57P02", fatal, ms(1), bounds),
+            Some(RetryCause::ConnectionLost)
+        );
+        // Raised by a body (ERROR, the session goes on): its own error.
+        for code in [b"57P01", b"57P02"] {
+            assert_eq!(from_sqlstate(code, Said::default(), ms(1), bounds), None);
+        }
         // Not transient whatever they ran: a user's 23505, 22012, 25P02.
         for code in [b"23505", b"22012", b"25P02", b"42P01"] {
-            assert_eq!(from_sqlstate(code, ms(900), bounds), None);
+            assert_eq!(from_sqlstate(code, Said::default(), ms(900), bounds), None);
         }
     }
 
@@ -254,23 +295,48 @@ mod tests {
         });
         // Ran as long as the loop's bound: the loop's own.
         assert_eq!(
-            from_sqlstate(b"57014", ms(300), bounds),
+            from_sqlstate(b"57014", Said::default(), ms(300), bounds),
             Some(RetryCause::DeadlineExceeded)
         );
         assert_eq!(
-            from_sqlstate(b"55P03", ms(151), bounds),
+            from_sqlstate(b"55P03", Said::default(), ms(151), bounds),
             Some(RetryCause::LockTimeout)
         );
         // Much shorter: a bound the body set itself (or NOWAIT) keeps its meaning.
-        assert_eq!(from_sqlstate(b"57014", ms(50), bounds), None);
         assert_eq!(
-            from_sqlstate(b"55P03", ms(50), bounds),
+            from_sqlstate(b"57014", Said::default(), ms(50), bounds),
+            None
+        );
+        assert_eq!(
+            from_sqlstate(b"55P03", Said::default(), ms(50), bounds),
             Some(RetryCause::LockNotAvailable)
         );
-        // A transaction the loop did not bound has no timeouts of its own.
-        assert_eq!(from_sqlstate(b"57014", ms(900), None), None);
+        // A twentieth of margin, no more: a body's own 85% of the loop's is its own.
         assert_eq!(
-            from_sqlstate(b"55P03", ms(900), None),
+            from_sqlstate(b"57014", Said::default(), ms(285), bounds),
+            Some(RetryCause::DeadlineExceeded)
+        );
+        assert_eq!(
+            from_sqlstate(b"57014", Said::default(), ms(255), bounds),
+            None
+        );
+        assert_eq!(
+            from_sqlstate(b"55P03", Said::default(), ms(128), bounds),
+            Some(RetryCause::LockNotAvailable)
+        );
+        // A cancel request is nobody's timeout, however long it ran.
+        let cancelled = Said {
+            cancel_request: true,
+            ..Said::default()
+        };
+        assert_eq!(from_sqlstate(b"57014", cancelled, ms(900), bounds), None);
+        // A transaction the loop did not bound has no timeouts of its own.
+        assert_eq!(
+            from_sqlstate(b"57014", Said::default(), ms(900), None),
+            None
+        );
+        assert_eq!(
+            from_sqlstate(b"55P03", Said::default(), ms(900), None),
             Some(RetryCause::LockNotAvailable)
         );
     }

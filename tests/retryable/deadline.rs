@@ -409,3 +409,52 @@ async fn what_a_body_sent_with_its_end_is_cancelled() {
         "the sleep pipelined behind the end still runs 2 s later"
     );
 }
+
+#[retryable(max = 4, deadline_ms = 300)]
+async fn quick_counted(
+    conn: &mut AsyncPgConnection,
+    id: i64,
+    calls: &AtomicU32,
+) -> Result<(), AppError> {
+    calls.fetch_add(1, Ordering::SeqCst);
+    insert_item(conn, id).await?;
+    Ok(())
+}
+
+/// "Waiting for a pool connection is bounded by the deadline too, and no
+/// attempt begins after it": with the only connection of a pool (whose own
+/// wait is 10 s) held elsewhere, a 300 ms call answers a pool timeout or an
+/// exhausted deadline well before the pool's own wait, runs nothing, and
+/// the pool serves the next call once the connection comes back. (From
+/// session 56's hostile pass.)
+#[tokio::test]
+async fn the_checkout_wait_is_bounded_by_the_deadline() {
+    let env = env(1).await;
+    let calls = AtomicU32::new(0);
+    let held = env.pool.get().await.expect("the pool's only connection");
+    let started = Instant::now();
+    let result = quick_counted(&env.pool, 5951, &calls).await;
+    let elapsed = started.elapsed();
+    drop(held);
+    assert!(
+        matches!(
+            &result,
+            Err(AppError::Idem(idem::Error::Pool(_)))
+                | Err(AppError::Idem(idem::Error::Exhausted {
+                    last_cause: RetryCause::DeadlineExceeded,
+                    ..
+                }))
+        ),
+        "{result:?}"
+    );
+    // Half the pool's own wait: what tells the two apart, with room for a
+    // loaded machine.
+    assert!(elapsed < Duration::from_secs(5), "{elapsed:?} for 300 ms");
+    assert_eq!(AtomicU32::load(&calls, Ordering::SeqCst), 0, "no body ran");
+    quick_counted(&env.pool, 5952, &calls)
+        .await
+        .expect("the pool serves the next call");
+    let sql = "SELECT count(*) FROM items WHERE id IN (5951, 5952)";
+    assert_eq!(env.scalar_i64(sql).await, 1);
+    env.assert_pool_clean().await;
+}

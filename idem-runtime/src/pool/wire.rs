@@ -39,6 +39,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use crate::cause::{from_sqlstate, Bounds, RetryCause, Said};
+
 mod cut;
 mod frame;
 mod reported;
@@ -120,11 +122,21 @@ impl Marks {
     }
 }
 
-/// A statement the server refused: its SQLSTATE, and how long it ran.
+/// A statement the server refused: its SQLSTATE, what else the server
+/// said of it, and how long it ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Refusal {
     pub(crate) code: [u8; 5],
+    pub(crate) said: Said,
     pub(crate) ran: Duration,
+}
+
+impl Refusal {
+    /// What it means for its transaction under the loop's `bounds` (see
+    /// [`from_sqlstate`]).
+    pub(crate) fn cause(self, bounds: Option<Bounds>) -> Option<RetryCause> {
+        from_sqlstate(&self.code, self.said, self.ran, bounds)
+    }
 }
 
 /// A request sent and not yet answered (a `Query` or a `Sync` ends one,
@@ -415,7 +427,8 @@ impl Wire {
         }
     }
 
-    fn on_error(&self, code: [u8; 5], fatal: bool) {
+    fn on_error(&self, code: [u8; 5], said: Said) {
+        let fatal = said.fatal;
         let now = Instant::now();
         let mut state = self.state();
         // The server ends the session after a FATAL error (a terminated
@@ -437,6 +450,7 @@ impl Wire {
         if state.pending.is_none() {
             state.pending = Some(Refusal {
                 code,
+                said,
                 ran: now.saturating_duration_since(started),
             });
         }

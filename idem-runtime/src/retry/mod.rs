@@ -1,5 +1,6 @@
 //! Replaying a transaction that lost a race: from the start, outside the
-//! transaction, on a fresh connection, within a budget of attempts and time.
+//! transaction, on a connection checked out anew (a new one after a lost
+//! connection), within a budget of attempts and time.
 //!
 //! The loop ([`RetryLoop`], or the closure form [`retry`], or the
 //! `#[retryable]` macro that expands to the loop) runs each attempt as
@@ -106,7 +107,9 @@ pub struct RetryPolicy {
     /// docs](self)); no checkout waits, no attempt starts and no backoff
     /// sleeps past it. A call that runs out of it ends with
     /// [`Error::Exhausted`], whose cause [`RetryCause::is_timeout`] (HTTP 503).
-    /// Default 800 ms; at least 1 ms (0 would fail every call).
+    /// Default 800 ms. Zero is taken as it is and fails every call with
+    /// [`Error::Exhausted`] before any attempt (the attribute refuses
+    /// `deadline_ms = 0`).
     pub deadline: Duration,
     /// First backoff ceiling; it doubles after each failed attempt. Default 10 ms.
     pub base_backoff: Duration,

@@ -37,7 +37,7 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::QueryResult;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 
-use crate::cause::{from_sqlstate, RetryCause, Transient};
+use crate::cause::{RetryCause, Transient};
 use crate::pool::{Marks, PooledConnection, Refusal, Replication, Row, Wire};
 
 mod begin;
@@ -541,7 +541,7 @@ impl Tx {
     pub(crate) fn failure_cause(&self) -> Option<RetryCause> {
         let wire = self.wire()?;
         let bounds = Some(self.timeouts.bounds());
-        let cause = |r: Refusal| from_sqlstate(&r.code, r.ran, bounds);
+        let cause = |r: Refusal| r.cause(bounds);
         wire.abort()
             .or_else(|| wire.pending())
             .and_then(cause)
@@ -558,7 +558,7 @@ impl Tx {
             self.wire()?
                 .refusals()
                 .into_iter()
-                .find_map(|r| from_sqlstate(&r.code, r.ran, bounds))
+                .find_map(|r| r.cause(bounds))
         })
     }
 }

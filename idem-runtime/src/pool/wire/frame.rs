@@ -1,6 +1,8 @@
 //! The protocol's framing: a stream of bytes split into messages, and the
 //! fields of an `ErrorResponse`.
 
+use crate::cause::{Said, CANCEL_REQUEST};
+
 /// Longest body kept of the messages read for their status
 /// (`ErrorResponse` is the longest of those; its SQLSTATE comes first in
 /// PostgreSQL's answers). Rows captured for a riding statement are kept whole.
@@ -181,9 +183,18 @@ pub(super) fn sqlstate(body: &[u8]) -> Option<[u8; 5]> {
 
 /// Whether an `ErrorResponse` ends the session: its severity (`V`, never
 /// translated; `S` before PostgreSQL 9.6) is FATAL or PANIC.
-pub(super) fn fatal(body: &[u8]) -> bool {
+fn fatal(body: &[u8]) -> bool {
     let severity = field(body, b'V').or_else(|| field(body, b'S'));
     matches!(severity, Some(b"FATAL" | b"PANIC"))
+}
+
+/// What an `ErrorResponse` says besides its SQLSTATE (see [`Said`]).
+pub(super) fn said(body: &[u8]) -> Said {
+    Said {
+        fatal: fatal(body),
+        cancel_request: field(body, b'C') == Some(b"57014")
+            && field(body, b'M') == Some(CANCEL_REQUEST),
+    }
 }
 
 /// A `Parse` body's statement name and text.

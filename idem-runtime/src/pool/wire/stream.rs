@@ -14,7 +14,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream};
 use tokio_postgres::Socket;
 
-use super::frame::{bound, fatal, parsed, sqlstate, Framer, KEPT};
+use super::frame::{bound, parsed, said, sqlstate, Framer, KEPT};
 use super::says::Says;
 use super::Wire;
 
@@ -72,7 +72,7 @@ impl<S> Observed<S> {
                 b'S' => wire.on_parameter(body),
                 b'K' => wire.on_key(body),
                 b'D' => wire.on_row(body),
-                b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), fatal(body)),
+                b'E' => wire.on_error(sqlstate(body).unwrap_or(*b"XX000"), said(body)),
                 b'C' => wire.on_complete(body.strip_suffix(&[0]).unwrap_or(body)),
                 b'G' => wire.on_copy_in(),
                 _ => {}
