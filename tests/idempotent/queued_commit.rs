@@ -76,8 +76,7 @@ async fn found_a_commit_written_after_its_call_was_dropped_is_held() {
     for key in keys.iter().take(20) {
         let before = env.effects(key).await;
         let reached = Notify::new();
-        let again = queues_commit(&env.pool, key, false, &reached);
-        tokio::pin!(again);
+        let mut again = Box::pin(queues_commit(&env.pool, key, false, &reached));
         let answer = tokio::select! {
             answer = &mut again => Some(answer),
             () = reached.notified() => None,
