@@ -160,10 +160,14 @@ pub(crate) const CANCEL_REQUEST: &[u8] = b"canceling statement due to user reque
 /// as long as the loop's bound: the server cancels a statement only once its
 /// timeout has passed, and `ran` spans the whole statement (counted from
 /// its write, or from the answer before it), so an expiry of the loop's own
-/// timeout always ran at least as long. A twentieth of margin absorbs a
-/// server's clock stepped forward; a body's own setting that close to the
-/// loop's is counted as the loop's, which only means it is replayed within
-/// the budget. A `NOWAIT` fails at once, so it stays 55P03's own meaning,
+/// timeout always ran at least as long; but for a request sent behind
+/// another's, `ran` counts from when the client read the answer before it,
+/// which a loaded client reads late. So a margin: a fifth of the bound, at
+/// most 100 ms, or a twentieth of a bound over 2 s (a body's own lock
+/// timeout of 1.7 s under the loop's 2 s was replayed to the deadline when
+/// the margin was a fifth of any bound). A body's own setting within it is
+/// counted as the loop's, which only means it is replayed within the
+/// budget. A `NOWAIT` fails at once, so it stays 55P03's own meaning,
 /// and a 57014 the server says a cancel request caused is nobody's timeout.
 /// 57P01 and 57P02 are a lost connection only when they ended the session.
 pub(crate) fn from_sqlstate(
@@ -172,7 +176,7 @@ pub(crate) fn from_sqlstate(
     ran: Duration,
     bounds: Option<Bounds>,
 ) -> Option<RetryCause> {
-    let at_least = |limit: Duration| ran >= limit - limit / 20;
+    let at_least = |limit: Duration| ran >= limit - margin(limit);
     match code {
         b"40001" => Some(RetryCause::SerializationFailure),
         b"40P01" => Some(RetryCause::Deadlock),
@@ -185,6 +189,12 @@ pub(crate) fn from_sqlstate(
         b"57P01" | b"57P02" if said.fatal => Some(RetryCause::ConnectionLost),
         _ => None,
     }
+}
+
+/// How much shorter than the loop's bound a timeout may have looked and
+/// still be the loop's (see [`from_sqlstate`]).
+fn margin(limit: Duration) -> Duration {
+    (limit / 5).min(Duration::from_millis(100)).max(limit / 20)
 }
 
 impl Transient for DieselError {
@@ -311,18 +321,30 @@ mod tests {
             from_sqlstate(b"55P03", Said::default(), ms(50), bounds),
             Some(RetryCause::LockNotAvailable)
         );
-        // A twentieth of margin, no more: a body's own 85% of the loop's is its own.
+        // The margin: a fifth of a short bound, 100 ms of a longer one, a
+        // twentieth of one over 2 s.
         assert_eq!(
-            from_sqlstate(b"57014", Said::default(), ms(285), bounds),
+            from_sqlstate(b"57014", Said::default(), ms(241), bounds),
             Some(RetryCause::DeadlineExceeded)
         );
         assert_eq!(
-            from_sqlstate(b"57014", Said::default(), ms(255), bounds),
+            from_sqlstate(b"57014", Said::default(), ms(239), bounds),
             None
         );
+        assert_eq!(margin(ms(1000)), ms(100));
+        assert_eq!(margin(ms(4000)), ms(200));
+        let long = Some(Bounds {
+            statement: ms(4000),
+            lock: ms(2000),
+        });
+        // A body's own lock timeout at 85% of the loop's 2 s is its own.
         assert_eq!(
-            from_sqlstate(b"55P03", Said::default(), ms(128), bounds),
+            from_sqlstate(b"55P03", Said::default(), ms(1700), long),
             Some(RetryCause::LockNotAvailable)
+        );
+        assert_eq!(
+            from_sqlstate(b"55P03", Said::default(), ms(1901), long),
+            Some(RetryCause::LockTimeout)
         );
         // A cancel request is nobody's timeout, however long it ran.
         let cancelled = Said {

@@ -541,7 +541,8 @@ async fn own_lock_timeout(conn: &mut AsyncPgConnection) -> Result<(), AppError> 
 /// `retry_lock_not_available = true`". A body's own `SET LOCAL
 /// lock_timeout` of 85% of idem's must be returned as the body's 55P03
 /// after one attempt. Found here: within a fifth of idem's, it was taken
-/// for idem's and replayed to the deadline; the margin is now a twentieth.
+/// for idem's and replayed to the deadline; the margin is now at most
+/// 100 ms (a twentieth of a bound over 2 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bodys_own_lock_timeout_at_85_percent_of_idems_is_its_own() {
     let env = env(2).await;
